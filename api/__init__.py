@@ -1,0 +1,27 @@
+"""The HTTP gateway: Flask app factory and blueprints."""
+
+from __future__ import annotations
+
+import redis
+from flask import Flask
+
+from control.clock import SystemClock
+from control.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Build the gateway app; the serving process starts its listener on first use."""
+    from api import completions, errors, ops
+    from api.gateway import Gateway
+    from tasks.app import make_celery
+
+    settings = settings or Settings()
+    app = Flask(__name__)
+    # Room for the largest prompt plus JSON quoting; larger bodies answer 413.
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_prompt_chars * 6 + 65_536
+    client = redis.Redis.from_url(settings.state_url, socket_timeout=5, health_check_interval=30)
+    app.extensions["keybatch"] = Gateway(settings, client, make_celery(settings), SystemClock())
+    errors.init_app(app)
+    app.register_blueprint(completions.bp)
+    app.register_blueprint(ops.bp)
+    return app

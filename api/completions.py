@@ -1,0 +1,207 @@
+"""POST /v1/completions and DELETE /v1/completions/<id>."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+
+from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
+from pydantic import ValidationError
+
+from api.errors import ApiError, describe
+from api.gateway import Gateway, Waiter
+from control import protocol as p
+from control.settings import Settings, Tier
+
+bp = Blueprint("completions", __name__)
+
+_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def gateway() -> Gateway:
+    return current_app.extensions["keybatch"]  # type: ignore[no-any-return]
+
+
+def _header_id(name: str) -> str | None:
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    if not _ID.match(value):
+        raise ApiError(400, f"{name} must be 1-128 characters of A-Z a-z 0-9 . _ : -", "invalid_header")
+    return value
+
+
+def tier_of(settings: Settings) -> Tier:
+    """The key decides the tier; no header can raise it."""
+    auth = request.headers.get("Authorization")
+    if auth is None:
+        if settings.allow_anonymous:
+            return "free"
+        raise ApiError(401, "an API key is required (Authorization: Bearer KEY)", "missing_api_key")
+    scheme, _, key = auth.partition(" ")
+    tier = settings.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+    if tier is None:
+        raise ApiError(401, "invalid API key", "invalid_api_key")
+    return tier
+
+
+def _budget_ms(settings: Settings) -> float:
+    raw = request.headers.get("X-Deadline-Ms")
+    if raw is None:
+        return settings.deadline_ms
+    try:
+        budget = float(raw)
+    except ValueError:
+        raise ApiError(400, "X-Deadline-Ms must be a number of milliseconds", "invalid_header") from None
+    if not 0 < budget <= settings.max_deadline_ms:
+        raise ApiError(400, f"X-Deadline-Ms must be in (0, {settings.max_deadline_ms:.0f}]", "invalid_header")
+    return budget
+
+
+def _parse_body(settings: Settings):  # noqa: ANN202 - returns CompletionRequest
+    from api.schemas import CompletionRequest
+
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", "invalid_json")
+    try:
+        req = CompletionRequest.model_validate(body)
+    except ValidationError as err:
+        raise ApiError(400, describe(err), "invalid_request") from None
+    if req.model not in settings.models:
+        raise ApiError(404, f"model {req.model!r} does not exist", "model_not_found")
+    if len(req.prompt) + len(req.suffix or "") > settings.max_prompt_chars:
+        raise ApiError(413, f"prompt and suffix exceed {settings.max_prompt_chars} characters", "prompt_too_long")
+    if req.max_tokens > settings.max_tokens_limit:
+        raise ApiError(400, f"max_tokens is at most {settings.max_tokens_limit}", "invalid_request")
+    return req
+
+
+@bp.post("/v1/completions")
+def create_completion() -> Response:
+    """Complete one prompt; wait for its batch; answer once (JSON or server-sent events)."""
+    gw = gateway()
+    settings = gw.settings
+    received = gw.clock.now_ms()
+    tier = tier_of(settings)
+    request_id = _header_id("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
+    session_id = _header_id("X-Session-Id")
+    budget = _budget_ms(settings)
+    req = _parse_body(settings)
+    job = p.Job(
+        id=request_id,
+        model=req.model,
+        prompt=req.prompt,
+        suffix=req.suffix,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=req.stop_list(),
+        tier=tier,
+        gateway=gw.id,
+        received_ms=received,
+        deadline_ms=received + budget,
+        stream=req.stream,
+    )
+    try:
+        waiter = gw.submit(job, session_id)
+    except ApiError as err:
+        gw.metrics.requests.labels(job.model, tier, str(err.status)).inc()
+        raise
+    if req.stream:
+        return _stream(gw, waiter)
+    gw.wait(waiter)
+    body = _answer(gw, waiter)
+    resp = jsonify(body)
+    resp.headers["X-Request-Id"] = request_id
+    return resp
+
+
+def _answer(gw: Gateway, waiter: Waiter) -> dict:
+    """The completion object for a finished request, or raise its error."""
+    job, item = waiter.job, waiter.item
+    now = gw.clock.now_ms()
+    status = 200
+    try:
+        if isinstance(item, p.Result):
+            return _completion(job, item, now)
+        status, err = _error_for(item)
+        raise err
+    finally:
+        gw.metrics.requests.labels(job.model, job.tier, str(status)).inc()
+        if isinstance(item, p.Result):
+            gw.metrics.latency.labels(job.model, job.tier).observe((now - job.received_ms) / 1000)
+            batch = item.batch_end_ms - item.batch_start_ms
+            gw.metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
+            gw.metrics.batch_size.observe(item.batch_size)
+
+
+def _error_for(item: object) -> tuple[int, ApiError]:
+    if isinstance(item, p.Cancelled | p.Dropped) and item.reason != "expired":
+        return 409, ApiError(409, f"the request was {item.reason}", item.reason)
+    if isinstance(item, p.Failed):
+        return 503, ApiError(503, f"the replica failed the batch: {item.message}", "replica_failed", retry_after_s=1)
+    return 504, ApiError(504, "the deadline passed before the completion was ready", "deadline_exceeded")
+
+
+def _completion(job: p.Job, res: p.Result, now: float) -> dict:
+    return {
+        "id": job.id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": job.model,
+        "choices": [{"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}],
+        "usage": {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+        },
+        "keybatch": {
+            "queue_ms": round(res.batch_start_ms - job.received_ms, 2),
+            "batch_ms": round(res.batch_end_ms - res.batch_start_ms, 2),
+            "total_ms": round(now - job.received_ms, 2),
+            "batch_size": res.batch_size,
+            "replica": res.replica,
+            "backend": res.backend,
+            "tier": job.tier,
+        },
+    }
+
+
+def _stream(gw: Gateway, waiter: Waiter) -> Response:
+    """Server-sent events in OpenAI's chunk format (one text chunk until the hf engine streams)."""
+
+    def events() -> Iterator[str]:
+        gw.wait(waiter)
+        try:
+            body = _answer(gw, waiter)
+        except ApiError as err:
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': 'error', 'code': err.code}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        choice = body["choices"][0]
+        chunk = {**body, "choices": [{**choice, "finish_reason": None}]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+        done = {**body, "choices": [{**choice, "text": ""}]}
+        yield f"data: {json.dumps(done)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    resp = Response(stream_with_context(events()), mimetype="text/event-stream")
+    resp.headers["X-Request-Id"] = waiter.job.id
+    resp.headers["Cache-Control"] = "no-cache"
+    return resp
+
+
+@bp.delete("/v1/completions/<request_id>")
+def cancel_completion(request_id: str) -> Response:
+    """Cancel a request in flight; its waiting call answers 409 `cancelled`."""
+    gw = gateway()
+    tier_of(gw.settings)
+    if not _ID.match(request_id):
+        raise ApiError(400, "invalid request id", "invalid_request")
+    if not gw.cancel(request_id, "cancelled"):
+        raise ApiError(404, f"no request {request_id} in flight", "request_not_found")
+    return jsonify({"id": request_id, "object": "text_completion.cancelled", "cancelled": True})

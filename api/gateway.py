@@ -1,0 +1,260 @@
+"""The gateway's side of the request path: admit, enqueue, wait, and route replies.
+
+Each gateway process has an id and one reply list in Redis. Replicas push one
+message per batch onto it; one listener thread here reads it and wakes the
+waiting requests through an in-process map from request id to waiter. Cancels
+and supersedes are routed the same way, to whichever gateway holds the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import redis
+from celery import Celery
+
+from api.errors import ApiError
+from api.metrics import Metrics
+from control import admission
+from control import protocol as p
+from control.admission import Capacity, Limits, Verdict
+from control.clock import Clock
+from control.fleet import FleetView
+from control.settings import Settings
+from tasks.app import task_message
+
+log = logging.getLogger(__name__)
+
+CANCEL_TTL_MS = 120_000
+
+# Shared by both scripts: mark a request cancelled and tell the gateway holding it.
+_CANCEL_FN = """
+local function cancel(id, reason)
+  local owner = redis.call('GET', 'kb:req:' .. id)
+  if not owner then return 0 end
+  redis.call('SET', 'kb:cancel:' .. id, reason, 'PX', CANCEL_TTL_MS)
+  redis.call('DEL', 'kb:req:' .. id)
+  local key = 'kb:reply:' .. owner
+  redis.call('RPUSH', key, cjson.encode({items = {{kind = 'cancelled', id = id, reason = reason}}}))
+  redis.call('EXPIRE', key, 60)
+  return 1
+end
+""".replace("CANCEL_TTL_MS", str(CANCEL_TTL_MS))
+
+CANCEL_LUA = _CANCEL_FN + "return cancel(ARGV[1], ARGV[2])"
+
+# KEYS: owner, waiting paid, waiting free, queue list, [session];
+# ARGV: gateway, ttl ms, deadline, id, tier, max position, now, task message.
+# Returns {1, position} admitted, {0, position} already in flight, {-1, position} too deep.
+ADMIT_LUA = (
+    _CANCEL_FN
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[7])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[7])
+local position = redis.call('ZCARD', KEYS[2]) + 1
+local own = KEYS[2]
+if ARGV[5] == 'free' then
+  position = position + redis.call('ZCARD', KEYS[3])
+  own = KEYS[3]
+end
+if position > tonumber(ARGV[6]) then return {-1, position} end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, position} end
+redis.call('ZADD', own, ARGV[3], ARGV[4])
+redis.call('LPUSH', KEYS[4], ARGV[8])
+if KEYS[5] then
+  local previous = redis.call('SET', KEYS[5], ARGV[4], 'GET', 'PX', ARGV[2])
+  if previous and previous ~= ARGV[4] then cancel(previous, 'superseded') end
+end
+return {1, position}
+"""
+)
+
+
+@dataclass
+class Waiter:
+    """One request waiting in this process for its reply."""
+
+    job: p.Job
+    event: threading.Event = field(default_factory=threading.Event)
+    item: p.Result | p.Dropped | p.Cancelled | p.Failed | None = None
+
+    def resolve(self, item: p.Result | p.Dropped | p.Cancelled | p.Failed) -> None:
+        if self.item is None:
+            self.item = item
+            self.event.set()
+
+
+class Gateway:
+    def __init__(self, settings: Settings, client: redis.Redis, celery: Celery, clock: Clock) -> None:
+        self.settings = settings
+        self.redis = client
+        self.celery = celery
+        self.clock = clock
+        self.id = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
+        self.fleet = FleetView(client)
+        self.metrics = Metrics(self.fleet)
+        self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
+        self.waiters: dict[str, Waiter] = {}
+        self.is_admitting = True
+        self._lock = threading.Lock()
+        self._started = False
+        self._admit = client.register_script(ADMIT_LUA)
+        self._cancel = client.register_script(CANCEL_LUA)
+
+    def start(self) -> None:
+        """Start the listener and the fleet view (once, in the serving process)."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self.fleet.start()
+        threading.Thread(target=self._listen, name="reply-listener", daemon=True).start()
+
+    # -- submit ----------------------------------------------------------------
+
+    def submit(self, job: p.Job, session_id: str | None) -> Waiter:
+        """Admit and enqueue one request; raise ApiError if it cannot be taken."""
+        self.start()
+        if not self.is_admitting:
+            raise ApiError(503, "the gateway is shutting down", "shutting_down", retry_after_s=1)
+        budget = job.deadline_ms - job.received_ms
+        capacity = self.fleet.capacity(job.model)
+        verdict, position = admission.check(budget, capacity, self.limits), 0
+        if verdict == Verdict.ADMIT:
+            deepest = admission.max_position(job.tier, budget, capacity, self.limits)
+            waiter = Waiter(job)
+            with self._lock:
+                if job.id in self.waiters:
+                    raise _in_flight(job.id)
+                self.waiters[job.id] = waiter
+            verdict, position = self._enqueue(job, session_id, deepest)
+            if verdict == Verdict.ADMIT:
+                self.metrics.inflight.inc()
+                return waiter
+            with self._lock:
+                self.waiters.pop(job.id, None)
+        self.metrics.rejected.labels(job.model, job.tier, verdict.name.lower()).inc()
+        raise _refusal(verdict, budget, capacity, self.limits, position)
+
+    def _enqueue(self, job: p.Job, session_id: str | None, deepest: int) -> tuple[Verdict, int]:
+        """One round trip admits the request and enqueues its Celery task, or neither."""
+        keys = [
+            p.owner_key(job.id),
+            p.waiting_key(job.model, "paid"),
+            p.waiting_key(job.model, "free"),
+            p.queue_key(job.model, job.tier),
+        ]
+        if session_id:
+            keys.append(p.session_key(session_id))
+        ttl = int(job.deadline_ms - job.received_ms) + 5_000
+        message = task_message(self.celery, job)
+        args = [self.id, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
+        try:
+            status, position = self._admit(keys=keys, args=args)
+        except redis.RedisError as exc:
+            status, error = None, _broker_down(exc)
+        if status in (None, 0):
+            with self._lock:
+                self.waiters.pop(job.id, None)
+            raise error if status is None else _in_flight(job.id)
+        if status == -1:
+            return Verdict.OVERLOADED, position
+        return Verdict.ADMIT, position
+
+    # -- waiting, cancel, give up ----------------------------------------------------
+
+    def wait(self, waiter: Waiter) -> None:
+        """Block until the reply, a cancel, or the deadline (then give the request up)."""
+        timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
+        try:
+            if not waiter.event.wait(timeout_s):
+                self.cancel(waiter.job.id, "expired")
+        finally:
+            with self._lock:
+                self.waiters.pop(waiter.job.id, None)
+            self.metrics.inflight.dec()
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Cancel a request in flight on any gateway; False if none holds it."""
+        try:
+            found = bool(self._cancel(args=[request_id, reason]))
+        except redis.RedisError as exc:
+            raise _broker_down(exc) from exc
+        waiter = self.waiters.get(request_id)
+        if waiter is not None and reason == "expired":
+            waiter.resolve(p.Dropped(id=request_id, reason="expired", replica=""))
+        return found
+
+    # -- replies ---------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        key = p.reply_key(self.id)
+        client = self.redis
+        while True:
+            try:
+                popped = client.blpop([key], timeout=1)
+                if popped is None:
+                    continue
+                raws = [popped[1], *(client.lpop(key, 256) or [])]
+            except redis.RedisError:
+                log.warning("reply listener lost Redis; retrying")
+                threading.Event().wait(0.2)
+                continue
+            for raw in raws:
+                self._deliver(p.Reply.model_validate_json(raw))
+
+    def _deliver(self, reply: p.Reply) -> None:
+        for item in reply.items:
+            if isinstance(item, p.Dropped):
+                self.metrics.dropped.labels(item.reason).inc()
+            elif isinstance(item, p.Cancelled):
+                self.metrics.cancels.labels(item.reason).inc()
+            waiter = self.waiters.get(item.id)
+            if waiter is None:
+                if isinstance(item, p.Result):
+                    self.metrics.wasted.inc()
+                continue
+            if isinstance(item, p.Result) and waiter.item is not None:
+                self.metrics.wasted.inc()  # it came back after the client was answered
+            waiter.resolve(item)
+
+    def readiness(self) -> dict[str, int]:
+        """Ready replicas per configured model."""
+        self.start()
+        counts = dict.fromkeys(self.settings.models, 0)
+        for rep in self.fleet.replicas:
+            if rep.is_ready and rep.model in counts:
+                counts[rep.model] += 1
+        return counts
+
+
+def _in_flight(request_id: str) -> ApiError:
+    return ApiError(409, f"request {request_id} is already in flight", "request_in_flight")
+
+
+def _broker_down(exc: BaseException) -> ApiError:
+    log.warning("broker unreachable: %r", exc)
+    return ApiError(503, "the broker is unreachable; retry shortly", "broker_unavailable", retry_after_s=1)
+
+
+def _refusal(verdict: Verdict, budget_ms: float, capacity: Capacity, limits: Limits, position: int) -> ApiError:
+    if verdict == Verdict.NO_REPLICA:
+        return ApiError(503, "no replica serves this model right now", "no_replica", retry_after_s=1)
+    if verdict == Verdict.TOO_SHORT:
+        return ApiError(
+            504,
+            f"a deadline of {budget_ms:.0f} ms is shorter than one batch ({capacity.batch_ms:.0f} ms)",
+            "deadline_exceeded",
+        )
+    predicted = admission.predict_ms(position, capacity)
+    return ApiError(
+        429,
+        f"overloaded: position {position} in the queue, predicted {predicted:.0f} ms, budget {budget_ms:.0f} ms",
+        "overloaded",
+        retry_after_s=admission.retry_after_s(position, budget_ms, capacity, limits),
+    )

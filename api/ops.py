@@ -1,0 +1,57 @@
+"""Models, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from flask import Blueprint, Response, jsonify
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.completions import gateway, tier_of
+from api.errors import ApiError
+
+bp = Blueprint("ops", __name__)
+_CREATED = int(time.time())
+
+
+@bp.get("/v1/models")
+def list_models() -> Response:
+    """The configured models and how many replicas serve each."""
+    gw = gateway()
+    tier_of(gw.settings)
+    ready = gw.readiness()
+    data = [
+        {"id": name, "object": "model", "created": _CREATED, "owned_by": "keybatch", "replicas": n}
+        for name, n in ready.items()
+    ]
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.get("/healthz")
+def healthz() -> Response:
+    """The process is up."""
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/readyz")
+def readyz() -> Response:
+    """Ready when the broker answers and every configured model has a replica."""
+    gw = gateway()
+    try:
+        gw.redis.ping()
+    except redis.RedisError:
+        raise ApiError(503, "the broker is unreachable", "broker_unavailable", retry_after_s=1) from None
+    gw.fleet.refresh()
+    counts = gw.readiness()
+    missing = sorted(m for m, n in counts.items() if n == 0)
+    if missing or not gw.is_admitting:
+        why = "shutting down" if not gw.is_admitting else f"no replica for {', '.join(missing)}"
+        raise ApiError(503, f"not ready: {why}", "not_ready", retry_after_s=1)
+    return jsonify({"status": "ready", "replicas": counts, "gateway": gw.id})
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    """Prometheus text."""
+    return Response(generate_latest(gateway().metrics.registry), mimetype=CONTENT_TYPE_LATEST)

@@ -1,0 +1,1 @@
+"""The fleet side of keybatch: settings, admission policy, broker, CLI and tooling."""

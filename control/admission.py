@@ -1,0 +1,86 @@
+"""Admission control: how deep may the queue be for a new request to fit its budget?
+
+Policy code, no I/O. The gateway asks `max_position` for the request's tier and
+budget; Redis then admits the request atomically only if its position in the
+queue (paid requests wait behind paid ones, free behind everything) is within
+it. Beyond it the answer is 429 now, not a slow 504; a budget shorter than one
+batch can never be met, and is answered 504 at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+from control.settings import Tier
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What serves one model right now."""
+
+    num_replicas: int
+    max_batch: int
+    batch_ms: float
+
+    @property
+    def per_round(self) -> int:
+        """Requests the model's replicas take in one round of batches."""
+        return self.num_replicas * self.max_batch
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.per_round * 1000.0 / self.batch_ms
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queue_paid: int
+    max_queue_free: int
+    margin_ms: float = 15.0
+
+    def max_queue(self, tier: Tier) -> int:
+        return self.max_queue_paid if tier == "paid" else self.max_queue_free
+
+
+class Verdict(IntEnum):
+    ADMIT = 0
+    OVERLOADED = 1  # 429: retry later
+    TOO_SHORT = 2  # 504: the budget is below one batch
+    NO_REPLICA = 3  # 503
+
+
+def predict_ms(position: int, capacity: Capacity) -> float:
+    """Expected finish of the request at 1-based `position` in the queue.
+
+    The replicas are on average half-way through a batch; then the request
+    rides in round ceil(position / per_round) of batches.
+    """
+    return (math.ceil(position / capacity.per_round) + 0.5) * capacity.batch_ms
+
+
+def max_rounds(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """Rounds of batches a request may wait for (including its own)."""
+    usable = budget_ms - limits.margin_ms
+    return max(1, math.floor(usable / capacity.batch_ms - 0.5))
+
+
+def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
+    """What can be said before looking at the queue."""
+    if capacity.num_replicas < 1:
+        return Verdict.NO_REPLICA
+    if budget_ms < capacity.batch_ms + limits.margin_ms:
+        return Verdict.TOO_SHORT
+    return Verdict.ADMIT
+
+
+def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """The deepest queue position (1-based) at which the request still fits."""
+    return min(max_rounds(budget_ms, capacity, limits) * capacity.per_round, limits.max_queue(tier))
+
+
+def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """When a refused request could expect to fit: the queue drains a round per batch."""
+    excess = math.ceil(position / capacity.per_round) - max_rounds(budget_ms, capacity, limits)
+    return max(1, math.ceil(excess * capacity.batch_ms / 1000.0))

@@ -1,0 +1,118 @@
+"""The replica registry as read from Redis: who serves which model, and how.
+
+Each replica refreshes a hash `kb:replica:<name>` with a short TTL (its lease)
+and adds its name to `kb:replicas`. A name whose hash expired is a dead replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import redis
+
+from control import protocol as p
+from control.admission import Capacity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    name: str
+    model: str
+    state: str
+    backend: str
+    max_batch: int
+    batch_ms: float
+    buffered: int
+    busy: bool
+    num_batches: int
+    num_requests: int
+    dropped: dict[str, int]
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    @classmethod
+    def from_hash(cls, name: str, h: dict[bytes, bytes]) -> ReplicaInfo:
+        f = {k.decode(): v.decode() for k, v in h.items()}
+        return cls(
+            name=name,
+            model=f.get("model", "?"),
+            state=f.get("state", "?"),
+            backend=f.get("backend", "?"),
+            max_batch=int(f.get("max_batch", 0)),
+            batch_ms=float(f.get("batch_ms", 0.0)),
+            buffered=int(f.get("buffered", 0)),
+            busy=f.get("busy") == "1",
+            num_batches=int(f.get("num_batches", 0)),
+            num_requests=int(f.get("num_requests", 0)),
+            dropped={reason: int(f.get(f"dropped_{reason}", 0)) for reason in ("cancelled", "superseded", "expired")},
+        )
+
+
+def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
+    names = sorted(n.decode() for n in client.smembers(p.REPLICAS_KEY))
+    if not names:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(p.replica_key(name))
+    fleet, dead = [], []
+    for name, h in zip(names, pipe.execute(), strict=True):
+        if h:
+            fleet.append(ReplicaInfo.from_hash(name, h))
+        else:
+            dead.append(name)
+    if dead:
+        client.srem(p.REPLICAS_KEY, *dead)
+    return fleet
+
+
+def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
+    ready = [r for r in fleet if r.model == model and r.is_ready]
+    if not ready:
+        return Capacity(0, 1, 1.0)
+    # Replicas of one model share a batch size and time; take the slowest to be safe.
+    return Capacity(len(ready), min(r.max_batch for r in ready), max(r.batch_ms for r in ready))
+
+
+class FleetView:
+    """A copy of the registry, refreshed in the background every `refresh_s`."""
+
+    def __init__(self, client: redis.Redis, refresh_s: float = 0.25) -> None:
+        self.client = client
+        self.refresh_s = refresh_s
+        self.replicas: list[ReplicaInfo] = []
+        self.is_reachable = False
+        self._started = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self.refresh()
+        threading.Thread(target=self._loop, name="fleet-view", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def refresh(self) -> None:
+        try:
+            self.replicas = read_fleet(self.client)
+            self.is_reachable = True
+        except redis.RedisError:
+            self.is_reachable = False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()
+
+    def capacity(self, model: str) -> Capacity:
+        return capacity_of(self.replicas, model)

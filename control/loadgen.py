@@ -1,0 +1,192 @@
+"""Open-loop load: Poisson arrivals against a gateway, whatever its answers take.
+
+Open loop means a slow server does not slow the arrivals down, so queueing shows
+as it would with real users. Every request is counted once: a status code, or a
+client-side error if no answer came.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+@dataclass
+class Record:
+    sent_s: float  # seconds since the run started
+    tier: str
+    status: int  # 0: no answer (client error)
+    latency_ms: float
+    queue_ms: float = 0.0
+    batch_ms: float = 0.0
+    batch_size: int = 0
+    error: str = ""
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.latency_ms - self.batch_ms
+
+
+@dataclass
+class LoadSpec:
+    url: str
+    rps: float
+    duration_s: float
+    model: str = "kb-small"
+    paid_share: float = 0.0
+    paid_key: str | None = None
+    free_key: str | None = None
+    max_tokens: int = 16
+    seed: int = 1
+    deadline_ms: float | None = None
+
+
+_PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\n\ndef list_python_files(root):\n    ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
+    "for i in range(10):\n    ",
+    "async def fetch(session, url):\n    ",
+]
+
+
+async def _one(session: aiohttp.ClientSession, spec: LoadSpec, sent_s: float, tier: str, i: int) -> Record:
+    headers = {"Content-Type": "application/json"}
+    key = spec.paid_key if tier == "paid" else spec.free_key
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    if spec.deadline_ms:
+        headers["X-Deadline-Ms"] = str(spec.deadline_ms)
+    body = {"model": spec.model, "prompt": _PROMPTS[i % len(_PROMPTS)] + f"# {i}\n", "max_tokens": spec.max_tokens}
+    start = time.perf_counter()
+    try:
+        async with session.post(f"{spec.url}/v1/completions", data=json.dumps(body), headers=headers) as resp:
+            payload = await resp.read()
+            latency = (time.perf_counter() - start) * 1000
+            rec = Record(sent_s, tier, resp.status, latency)
+            if resp.status == 200:
+                kb = json.loads(payload)["keybatch"]
+                rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
+            return rec
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return Record(sent_s, tier, 0, (time.perf_counter() - start) * 1000, error=type(exc).__name__)
+
+
+async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
+    rng = random.Random(spec.seed)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=(spec.deadline_ms or 60_000) / 1000 + 30)
+    tasks: list[asyncio.Task[Record]] = []
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
+        TimeRemainingColumn(),
+        disable=not show_progress,
+        transient=True,
+    )
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        with progress:
+            bar = progress.add_task(f"{spec.rps:.0f} req/s", total=spec.duration_s)
+            t0 = time.perf_counter()
+            next_s, i = 0.0, 0
+            while next_s < spec.duration_s:
+                delay = next_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tier = "paid" if rng.random() < spec.paid_share else "free"
+                tasks.append(asyncio.create_task(_one(session, spec, next_s, tier, i)))
+                i += 1
+                next_s += rng.expovariate(spec.rps)
+                progress.update(bar, completed=min(spec.duration_s, time.perf_counter() - t0))
+            return list(await asyncio.gather(*tasks))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[k]
+
+
+def summarize(records: list[Record]) -> dict[str, dict[str, float]]:
+    """Figures per tier and for all requests."""
+    out: dict[str, dict[str, float]] = {}
+    for tier in ("all", "paid", "free"):
+        rs = [r for r in records if tier == "all" or r.tier == tier]
+        if not rs:
+            continue
+        ok = [r for r in rs if r.status == 200]
+        shed = [r for r in rs if r.status == 429]
+        out[tier] = {
+            "sent": len(rs),
+            "ok_share": len(ok) / len(rs),
+            "status_429": len(shed),
+            "status_504": sum(r.status == 504 for r in rs),
+            "other": sum(r.status not in (200, 429, 504) for r in rs),
+            "no_answer": sum(r.status == 0 for r in rs),
+            "p50_ms": percentile([r.latency_ms for r in ok], 50),
+            "p99_ms": percentile([r.latency_ms for r in ok], 99),
+            "p99_429_ms": percentile([r.latency_ms for r in shed], 99),
+            "overhead_p50_ms": percentile([r.overhead_ms for r in ok], 50),
+            "overhead_p99_ms": percentile([r.overhead_ms for r in ok], 99),
+            "mean_batch": sum(r.batch_size for r in ok) / len(ok) if ok else float("nan"),
+        }
+    return out
+
+
+def print_summary(title: str, summary: dict[str, dict[str, float]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    cols = [
+        "sent",
+        "ok_share",
+        "status_429",
+        "status_504",
+        "other",
+        "no_answer",
+        "p50_ms",
+        "p99_ms",
+        "p99_429_ms",
+        "overhead_p50_ms",
+        "overhead_p99_ms",
+        "mean_batch",
+    ]
+    table.add_column("tier")
+    for col in cols:
+        table.add_column(col.replace("_", " "), justify="right")
+    for tier, row in summary.items():
+        table.add_row(tier, *(_fmt(col, row[col]) for col in cols))
+    Console(width=170).print(table)
+
+
+def _fmt(col: str, value: float) -> str:
+    if col == "ok_share":
+        return f"{value:.2%}"
+    if isinstance(value, int) or col in ("sent",):
+        return str(int(value))
+    return f"{value:.1f}"
+
+
+def run_load(args: argparse.Namespace) -> int:
+    share = {"free": 0.0, "mixed": 0.3, "paid": 1.0}[args.profile]
+    spec = LoadSpec(
+        args.url, args.rps, args.duration, args.model, share, args.paid_key, args.free_key, deadline_ms=args.deadline_ms
+    )
+    records = asyncio.run(run_spec(spec))
+    summary = summarize(records)
+    print_summary(f"keybatch load: {args.rps:.0f} req/s for {args.duration:.0f} s ({args.profile})", summary)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"spec": asdict(spec), "summary": summary, "records": [asdict(r) for r in records]}, fh)
+    return 0

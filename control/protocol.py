@@ -1,0 +1,136 @@
+"""What crosses processes: Redis key names, the job payload and the reply messages.
+
+The gateway writes a job into a Celery message; a replica answers the gateway
+process that holds the connection by pushing one reply message per batch onto
+that gateway's reply list (see docs/design.md, "How results come back").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from control.settings import Tier
+
+PREFIX = "kb"
+TASK_NAME = "keybatch.complete"
+REPLICAS_KEY = f"{PREFIX}:replicas"
+PAID_PRIORITY = 0  # kombu's Redis transport serves lower numbers first
+FREE_PRIORITY = 9
+PRIORITY_STEPS = [PAID_PRIORITY, FREE_PRIORITY]
+PRIORITY_SEP = ":"  # kombu's `sep` transport option: "<queue><sep><priority>"
+
+
+def queue_name(model: str) -> str:
+    return f"{PREFIX}.{model}"
+
+
+def priority_of(tier: Tier) -> int:
+    return PAID_PRIORITY if tier == "paid" else FREE_PRIORITY
+
+
+def queue_key(model: str, tier: Tier) -> str:
+    """The Redis list kombu's Redis transport keeps a queue's messages of one priority in."""
+    priority = priority_of(tier)
+    return queue_name(model) if priority == 0 else f"{queue_name(model)}{PRIORITY_SEP}{priority}"
+
+
+def reply_key(gateway_id: str) -> str:
+    return f"{PREFIX}:reply:{gateway_id}"
+
+
+def owner_key(request_id: str) -> str:
+    """Which gateway holds the connection of a request in flight."""
+    return f"{PREFIX}:req:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def session_key(session_id: str) -> str:
+    return f"{PREFIX}:session:{session_id}"
+
+
+def waiting_key(model: str, tier: Tier) -> str:
+    """Sorted set of requests admitted but not yet in a batch, scored by deadline."""
+    return f"{PREFIX}:waiting:{model}:{tier}"
+
+
+def idle_key(model: str) -> str:
+    """Sorted set of the model's idle replicas, scored by when that news goes stale."""
+    return f"{PREFIX}:idle:{model}"
+
+
+def replica_key(name: str) -> str:
+    return f"{PREFIX}:replica:{name}"
+
+
+class Job(BaseModel):
+    """The payload of one Celery task: one completion request."""
+
+    id: str
+    model: str
+    prompt: str
+    suffix: str | None = None
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = Field(default_factory=list)
+    tier: Tier = "free"
+    gateway: str
+    received_ms: float  # epoch ms when the gateway admitted it
+    deadline_ms: float  # epoch ms after which nobody waits for it
+    stream: bool = False
+
+
+DropReason = Literal["cancelled", "superseded", "expired"]
+
+
+class Result(BaseModel):
+    """One finished request, as a replica reports it to the gateway."""
+
+    kind: Literal["result"] = "result"
+    id: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    replica: str
+    backend: str
+    batch_size: int
+    batch_start_ms: float
+    batch_end_ms: float
+
+
+class Dropped(BaseModel):
+    """A request a replica dropped before its batch ran."""
+
+    kind: Literal["dropped"] = "dropped"
+    id: str
+    reason: DropReason
+    replica: str
+
+
+class Cancelled(BaseModel):
+    """A cancel or supersede, routed to the gateway that holds the request."""
+
+    kind: Literal["cancelled"] = "cancelled"
+    id: str
+    reason: DropReason
+
+
+class Failed(BaseModel):
+    """The engine raised for this request's batch."""
+
+    kind: Literal["failed"] = "failed"
+    id: str
+    message: str
+    replica: str
+
+
+class Reply(BaseModel):
+    """One message on a gateway's reply list: everything one batch owes that gateway."""
+
+    items: list[Annotated[Result | Dropped | Cancelled | Failed, Field(discriminator="kind")]]

@@ -1,0 +1,44 @@
+"""The gateway under gunicorn (a production WSGI server, not Flask's dev server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from control.settings import Settings
+
+
+class GatewayServer(BaseApplication):  # type: ignore[misc]
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        super().__init__()
+
+    def load_config(self) -> None:
+        s = self.settings
+        options: dict[str, Any] = {
+            "bind": f"{s.host}:{s.port}",
+            "workers": s.api_processes,
+            "worker_class": s.api_worker_class,
+            "threads": s.api_threads if s.api_worker_class == "gthread" else 1,
+            "worker_connections": 4096,
+            "backlog": 4096,
+            "keepalive": 75,
+            "graceful_timeout": 30,
+            "timeout": 120,
+            "accesslog": None,
+            "errorlog": "-",
+            "loglevel": "warning",
+            "proc_name": "keybatch-api",
+        }
+        for key, value in options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        from api import create_app
+
+        return create_app(self.settings)
+
+
+def serve(settings: Settings) -> None:
+    GatewayServer(settings).run()

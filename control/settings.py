@@ -1,0 +1,99 @@
+"""Every knob of keybatch, read once at the edge (environment or a settings file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Tier = Literal["paid", "free"]
+Backend = Literal["fixed", "hf"]
+Policy = Literal["static", "continuous"]
+
+
+class Settings(BaseSettings):
+    """One settings object (env prefix ``KEYBATCH_``), passed down to every part."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KEYBATCH_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+    )
+
+    # Broker and state. Without REDIS_URL, `keybatch up` starts an embedded Valkey.
+    redis_url: str | None = Field(None, description="redis:// or rediss:// URL of the state server")
+    broker_url: str | None = Field(None, description="Celery broker URL (defaults to REDIS_URL)")
+
+    # Gateway.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_worker_class: Literal["gevent", "gthread"] = "gevent"
+    api_processes: int = Field(1, ge=1, description="gateway worker processes")
+    api_threads: int = Field(256, ge=1, description="threads per process (gthread only)")
+    api_keys: dict[str, Tier] = Field(default_factory=dict, description="API key -> tier")
+    allow_anonymous: bool = True
+    admin_token: str | None = None
+    max_prompt_chars: int = Field(32_768, ge=1)
+    max_tokens_limit: int = Field(256, ge=1)
+
+    # Models and replicas.
+    models: dict[str, str] = Field(
+        default_factory=lambda: {"kb-small": "kb-small", "kb-large": "kb-large"},
+        description="model name -> model folder (relative to MODELS_DIR unless absolute)",
+    )
+    models_dir: Path = Path("models")
+    max_batch: int = Field(64, ge=1)
+    batch_ms: float = Field(250.0, gt=0, description="fixed backend: time of any batch")
+    max_wait_ms: float = Field(20.0, ge=0, description="cap on how long a free replica waits to fill")
+    paid_boost_ms: float = Field(
+        300.0, ge=0, description="aging: a free request waiting this long ranks with a new paid one"
+    )
+    pull_lead_ms: float = Field(
+        100.0, ge=0, description="a busy replica pulls its next batch this long before it frees"
+    )
+    deadline_margin_ms: float = Field(15.0, ge=0, description="slack kept for the trip back to the client")
+
+    # Deadlines and admission.
+    deadline_ms: float = Field(600.0, gt=0, description="default budget when X-Deadline-Ms is absent")
+    max_deadline_ms: float = Field(60_000.0, gt=0)
+    max_queue_paid: int = Field(4096, ge=1, description="most paid requests waiting per model")
+    max_queue_free: int = Field(2048, ge=1, description="most free requests waiting per model")
+
+    # Replica registry.
+    heartbeat_s: float = Field(1.0, gt=0)
+    replica_ttl_s: float = Field(3.0, gt=0)
+    task_events: bool = Field(True, description="send Celery task events (Flower)")
+
+    @field_validator("redis_url", "broker_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return url
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        if self.deadline_ms > self.max_deadline_ms:
+            raise ValueError("DEADLINE_MS is above MAX_DEADLINE_MS")
+        return self
+
+    @property
+    def broker(self) -> str:
+        url = self.broker_url or self.redis_url
+        if url is None:
+            raise RuntimeError("no broker: set KEYBATCH_REDIS_URL or start with `keybatch up`")
+        return url
+
+    @property
+    def state_url(self) -> str:
+        url = self.redis_url or self.broker_url
+        if url is None:
+            raise RuntimeError("no state server: set KEYBATCH_REDIS_URL or start with `keybatch up`")
+        return url
+
+    def model_path(self, name: str) -> Path:
+        path = Path(self.models[name])
+        return path if path.is_absolute() else self.models_dir / path

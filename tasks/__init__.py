@@ -1,0 +1,1 @@
+"""The worker side: Celery app, batching collector, replica loop and engines."""

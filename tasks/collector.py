@@ -1,0 +1,103 @@
+"""The batch-forming policy of one replica. Policy code: no Celery, no torch.
+
+A replica holds a buffer of waiting requests. When the replica is free it starts a
+batch as soon as the buffer is full (`max_batch`) or the launch time has come:
+the oldest request's arrival plus `max_wait_ms`, pulled earlier by the tightest
+deadline in the buffer (a request must start by its deadline minus one batch).
+Paid requests fill a batch before free ones; a free request that has waited
+`paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.settings import Tier
+
+
+@dataclass
+class Pending:
+    """One request in a replica's buffer."""
+
+    id: str
+    tier: Tier
+    received_ms: float  # when the gateway admitted it
+    deadline_ms: float  # when its client stops waiting
+    payload: Any = None  # the job and whatever the glue needs to ack it
+
+    def rank(self, paid_boost_ms: float) -> float:
+        return self.received_ms - (paid_boost_ms if self.tier == "paid" else 0.0)
+
+
+@dataclass
+class CollectorConfig:
+    max_batch: int = 64
+    max_wait_ms: float = 20.0
+    batch_ms: float = 250.0  # expected time of the next batch
+    paid_boost_ms: float = 300.0
+    margin_ms: float = 15.0  # slack for the trip back to the client
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        if min(self.max_wait_ms, self.batch_ms, self.paid_boost_ms, self.margin_ms) < 0:
+            raise ValueError("times must not be negative")
+
+
+@dataclass
+class Collector:
+    config: CollectorConfig
+    waiting: list[Pending] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, pending: Pending) -> None:
+        self.waiting.append(pending)
+
+    def ids(self) -> list[str]:
+        return [p.id for p in self.waiting]
+
+    def can_finish(self, pending: Pending, now_ms: float) -> bool:
+        return now_ms + self.config.batch_ms + self.config.margin_ms <= pending.deadline_ms
+
+    def launch_at(self) -> float | None:
+        """Epoch ms at which a free replica should start a batch; None when empty."""
+        if not self.waiting:
+            return None
+        c = self.config
+        oldest = min(p.received_ms for p in self.waiting)
+        tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms
+        return min(oldest + c.max_wait_ms, tightest)
+
+    def wait_ms(self, now_ms: float) -> float | None:
+        """How long a free replica should wait before it starts a batch (0: now)."""
+        launch = self.launch_at()
+        if launch is None:
+            return None
+        if len(self.waiting) >= self.config.max_batch:
+            return 0.0
+        return max(0.0, launch - now_ms)
+
+    def remove(self, ids: set[str]) -> list[Pending]:
+        """Take the given requests out of the buffer (cancelled or superseded)."""
+        gone = [p for p in self.waiting if p.id in ids]
+        if gone:
+            self.waiting = [p for p in self.waiting if p.id not in ids]
+        return gone
+
+    def pop_expired(self, now_ms: float) -> list[Pending]:
+        """Take out the requests that can no longer finish before their deadline."""
+        late = [p for p in self.waiting if not self.can_finish(p, now_ms)]
+        if late:
+            self.waiting = [p for p in self.waiting if self.can_finish(p, now_ms)]
+        return late
+
+    def pop_batch(self) -> list[Pending]:
+        """The next batch: up to `max_batch` requests, paid ahead of free, with aging."""
+        boost = self.config.paid_boost_ms
+        self.waiting.sort(key=lambda p: p.rank(boost))
+        batch = self.waiting[: self.config.max_batch]
+        self.waiting = self.waiting[self.config.max_batch :]
+        return batch
