@@ -19,7 +19,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__)
     # Room for the largest prompt plus JSON quoting; larger bodies answer 413.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_prompt_chars * 6 + 65_536
-    client = redis.Redis.from_url(settings.state_url, socket_timeout=5, health_check_interval=30)
+    # A bounded pool: under a burst, requests wait for a connection instead of failing.
+    pool = redis.BlockingConnectionPool.from_url(settings.state_url, max_connections=64, timeout=2, socket_timeout=5)
+    client = redis.Redis(connection_pool=pool)
     app.extensions["keybatch"] = Gateway(settings, client, make_celery(settings), SystemClock())
     errors.init_app(app)
     app.register_blueprint(completions.bp)

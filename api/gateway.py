@@ -31,6 +31,7 @@ from tasks.app import task_message
 log = logging.getLogger(__name__)
 
 CANCEL_TTL_MS = 120_000
+FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
 
 # Shared by both scripts: mark a request cancelled and tell the gateway holding it.
 _CANCEL_FN = """
@@ -50,27 +51,29 @@ CANCEL_LUA = _CANCEL_FN + "return cancel(ARGV[1], ARGV[2])"
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
 # ARGV: gateway, ttl ms, deadline, id, tier, max position, now, task message.
-# Returns {1, position} admitted, {0, position} already in flight, {-1, position} too deep.
+# Returns {status, paid waiting, free waiting}; status 1 admitted, 0 already in flight, -1 too deep.
 ADMIT_LUA = (
     _CANCEL_FN
     + """
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[7])
-local position = redis.call('ZCARD', KEYS[2]) + 1
+local paid = redis.call('ZCARD', KEYS[2])
+local free = redis.call('ZCARD', KEYS[3])
+local position = paid + 1
 local own = KEYS[2]
 if ARGV[5] == 'free' then
-  position = position + redis.call('ZCARD', KEYS[3])
+  position = position + free
   own = KEYS[3]
 end
-if position > tonumber(ARGV[6]) then return {-1, position} end
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, position} end
+if position > tonumber(ARGV[6]) then return {-1, paid, free} end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, paid, free} end
 redis.call('ZADD', own, ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[4], ARGV[8])
 if KEYS[5] then
   local previous = redis.call('SET', KEYS[5], ARGV[4], 'GET', 'PX', ARGV[2])
   if previous and previous ~= ARGV[4] then cancel(previous, 'superseded') end
 end
-return {1, position}
+return {1, paid, free}
 """
 )
 
@@ -100,6 +103,7 @@ class Gateway:
         self.metrics = Metrics(self.fleet)
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
         self.waiters: dict[str, Waiter] = {}
+        self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
         self.is_admitting = True
         self._lock = threading.Lock()
         self._started = False
@@ -127,6 +131,10 @@ class Gateway:
         verdict, position = admission.check(budget, capacity, self.limits), 0
         if verdict == Verdict.ADMIT:
             deepest = admission.max_position(job.tier, budget, capacity, self.limits)
+            position = self._recent_position(job)
+            if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
+                verdict = Verdict.OVERLOADED
+        if verdict == Verdict.ADMIT:
             waiter = Waiter(job)
             with self._lock:
                 if job.id in self.waiters:
@@ -140,6 +148,13 @@ class Gateway:
                 self.waiters.pop(job.id, None)
         self.metrics.rejected.labels(job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position)
+
+    def _recent_position(self, job: p.Job) -> int:
+        """The request's queue position by the last admission's counts, if they are fresh."""
+        paid, free, at_ms = self._depth.get(job.model, (0, 0, 0.0))
+        if self.clock.now_ms() - at_ms > FRESH_DEPTH_MS:
+            return 0
+        return paid + 1 + (free if job.tier == "free" else 0)
 
     def _enqueue(self, job: p.Job, session_id: str | None, deepest: int) -> tuple[Verdict, int]:
         """One round trip admits the request and enqueues its Celery task, or neither."""
@@ -155,9 +170,11 @@ class Gateway:
         message = task_message(self.celery, job)
         args = [self.id, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
         try:
-            status, position = self._admit(keys=keys, args=args)
+            status, paid, free = self._admit(keys=keys, args=args)
         except redis.RedisError as exc:
-            status, error = None, _broker_down(exc)
+            status, paid, free, error = None, 0, 0, _broker_down(exc)
+        self._depth[job.model] = (paid, free, self.clock.now_ms())
+        position = paid + 1 + (free if job.tier == "free" else 0)
         if status in (None, 0):
             with self._lock:
                 self.waiters.pop(job.id, None)

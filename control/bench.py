@@ -12,7 +12,8 @@ import asyncio
 import json
 import os
 import socket
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from control.loadgen import LoadSpec, print_summary, run_spec, summarize
 from control.settings import Settings
@@ -28,30 +29,41 @@ def _free_port() -> int:
 
 
 def run_serving(settings: Settings, args: argparse.Namespace) -> int:
-    os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
-    settings = Settings()
-    model = next(iter(settings.models))
-    plan = Plan(workers=args.workers, models=[model], port=_free_port(), quiet=True)
-    system = System(settings, plan)
-    system.start()
-    capacity = args.workers * settings.max_batch * 1000.0 / settings.batch_ms
-    print(
-        f"keybatch bench serving: {args.workers} replicas x {settings.max_batch} per {settings.batch_ms:.0f} ms "
-        f"(fixed backend, simulated) = {capacity:.0f} req/s; max_wait {settings.max_wait_ms:.0f} ms; "
-        f"gateway {settings.api_worker_class} x{settings.api_processes}"
-    )
-    results: dict[str, object] = {"capacity_rps": capacity, "settings": settings.model_dump(mode="json")}
-    try:
-        _warm(system.url, model)
-        for name in [s for s in args.scenarios.split(",") if s]:
-            results[name] = SCENARIOS[name](system.url, model, capacity, settings, args)
-            time.sleep(2.0)  # let queues empty between scenarios
-    finally:
-        system.stop()
+    """Each scenario on a fresh deployment, so one cannot leave work for the next."""
+    results: dict[str, object] = {}
+    for name in [s for s in args.scenarios.split(",") if s]:
+        batch = args.overload_batch if name == "overload" else None
+        with _deployment(args.workers, batch) as (url, model, s):
+            capacity = args.workers * s.max_batch * 1000.0 / s.batch_ms
+            print(
+                f"\n== {name}: {args.workers} replicas x {s.max_batch} per {s.batch_ms:.0f} ms (fixed backend, "
+                f"simulated) = {capacity:.0f} req/s; max_wait {s.max_wait_ms:.0f} ms; "
+                f"gateway {s.api_worker_class} x{s.api_processes}"
+            )
+            results[name] = {"capacity_rps": capacity, **SCENARIOS[name](url, model, capacity, s, args)}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
     return 0
+
+
+@contextmanager
+def _deployment(workers: int, max_batch: int | None) -> Iterator[tuple[str, str, Settings]]:
+    os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
+    if max_batch is not None:
+        os.environ["KEYBATCH_MAX_BATCH"] = str(max_batch)
+    try:
+        settings = Settings()
+        model = next(iter(settings.models))
+        system = System(settings, Plan(workers=workers, models=[model], port=_free_port(), quiet=True))
+        system.start()
+        try:
+            _warm(system.url, model)
+            yield system.url, model, settings
+        finally:
+            system.stop()
+    finally:
+        os.environ.pop("KEYBATCH_MAX_BATCH", None)
 
 
 def _warm(url: str, model: str) -> None:

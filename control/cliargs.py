@@ -9,6 +9,12 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the 90%% load run")
     p.add_argument("--scenarios", default="low,load90,overload", help="comma-separated: low,load90,overload")
+    p.add_argument(
+        "--overload-batch",
+        type=int,
+        default=32,
+        help="max_batch for the 2x-capacity scenario (default 32: 2x of 64 would need more than 2 cores of clients)",
+    )
     p.add_argument("--json", default=None, help="write all figures here")
 
 

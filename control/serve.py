@@ -23,8 +23,10 @@ class GatewayServer(BaseApplication):  # type: ignore[misc]
             "threads": s.api_threads if s.api_worker_class == "gthread" else 1,
             "worker_connections": 4096,
             "backlog": 4096,
-            "keepalive": 75,
-            "graceful_timeout": 30,
+            # An idle keep-alive connection holds a stopping worker until it times
+            # out, so keep it short; in-flight requests end by their deadlines.
+            "keepalive": 5,
+            "graceful_timeout": max(10, int(s.max_deadline_ms / 1000) + 5),
             "timeout": 120,
             "accesslog": None,
             "errorlog": "-",

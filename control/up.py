@@ -69,7 +69,8 @@ class System:
             self.broker = EmbeddedBroker()
             self.redis_url = self.broker.start()
         env = self.env()
-        out = subprocess.DEVNULL if self.plan.quiet else None
+        # Children log to stderr; stdout carries only `keybatch ready: URL`.
+        out = subprocess.DEVNULL if self.plan.quiet else sys.stderr
         host = socket.gethostname()
         for i, model in enumerate(self.plan.replica_models(), start=1):
             cmd = [
@@ -110,10 +111,14 @@ class System:
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """Front to back; returns how many processes had to be killed."""
-        killed = 0
+        killed, t0 = 0, time.monotonic()
         if self.gateway is not None:
             killed += _terminate([self.gateway], timeout_s)
+        t1 = time.monotonic()
         killed += _terminate(self.workers, timeout_s)
+        t2 = time.monotonic()
+        if not self.plan.quiet:
+            print(f"keybatch: gateway stopped in {t1 - t0:.1f} s, replicas in {t2 - t1:.1f} s", file=sys.stderr)
         if self.broker is not None:
             self.broker.stop()
             self.broker = None

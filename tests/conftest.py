@@ -1,0 +1,74 @@
+"""Real parts: an embedded Valkey, real replica processes and the real gateway over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import requests
+
+from control.settings import Settings
+from control.up import Plan, System
+
+PAID_KEY, FREE_KEY = "test-paid", "test-free"
+MODEL = "kb-small"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Deployment:
+    system: System
+    url: str
+
+    def post(self, body: dict | None = None, key: str | None = FREE_KEY, **headers: str) -> requests.Response:
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        body = body if body is not None else {"model": MODEL, "prompt": "def add(a, b):\n    "}
+        return requests.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                inner = series[len(name) :].strip("{}")
+                if ",".join(sorted(inner.split(","))) == want or (not want and not inner):
+                    return float(value)
+        return 0.0
+
+
+@contextmanager
+def deployment(workers: int = 2, **env: str) -> Iterator[Deployment]:
+    """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings."""
+    saved = dict(os.environ)
+    os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
+    os.environ.pop("KEYBATCH_REDIS_URL", None)
+    for key, value in env.items():
+        os.environ[f"KEYBATCH_{key.upper()}"] = value
+    try:
+        system = System(Settings(), Plan(workers=workers, models=[MODEL], port=free_port(), quiet=True))
+        system.start()
+        try:
+            yield Deployment(system, system.url)
+        finally:
+            system.stop()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def kb() -> Iterator[Deployment]:
+    with deployment() as d:
+        yield d

@@ -1,0 +1,38 @@
+"""Admission policy: how deep the queue may be for a request's budget."""
+
+from __future__ import annotations
+
+from control.admission import Capacity, Limits, Verdict, check, max_position, predict_ms, retry_after_s
+
+CAP = Capacity(num_replicas=2, max_batch=64, batch_ms=250.0)
+LIMITS = Limits(max_queue_paid=4096, max_queue_free=2048, margin_ms=15.0)
+
+
+def test_one_round_fits_the_default_budget() -> None:
+    assert max_position("free", 600.0, CAP, LIMITS) == 128
+    assert predict_ms(128, CAP) <= 600.0 - 15.0
+    assert predict_ms(129, CAP) > 600.0 - 15.0
+
+
+def test_a_longer_budget_allows_more_rounds() -> None:
+    assert max_position("paid", 1400.0, CAP, LIMITS) == 5 * 128  # floor(1385 / 250 - 0.5) rounds
+
+
+def test_queue_limits_cap_the_position() -> None:
+    small = Limits(max_queue_paid=10, max_queue_free=5)
+    assert max_position("free", 60_000.0, CAP, small) == 5
+    assert max_position("paid", 60_000.0, CAP, small) == 10
+
+
+def test_a_budget_below_one_batch_can_never_fit() -> None:
+    assert check(200.0, CAP, LIMITS) == Verdict.TOO_SHORT
+    assert check(600.0, CAP, LIMITS) == Verdict.ADMIT
+
+
+def test_no_replica() -> None:
+    assert check(600.0, Capacity(0, 64, 250.0), LIMITS) == Verdict.NO_REPLICA
+
+
+def test_retry_after_grows_with_the_excess() -> None:
+    assert retry_after_s(129, 600.0, CAP, LIMITS) == 1
+    assert retry_after_s(128 * 10, 600.0, CAP, LIMITS) == 3

@@ -1,0 +1,73 @@
+"""The batch-forming policy on a manual clock."""
+
+from __future__ import annotations
+
+from tasks.collector import Collector, CollectorConfig, Pending
+
+
+def make_pending(i: int, at: float = 0.0, tier: str = "free", deadline: float = 600.0) -> Pending:
+    return Pending(id=f"r{i}", tier=tier, received_ms=at, deadline_ms=at + deadline)  # type: ignore[arg-type]
+
+
+def make_collector(**kw: float) -> Collector:
+    return Collector(CollectorConfig(**{"max_batch": 4, "max_wait_ms": 20.0, "batch_ms": 250.0, **kw}))
+
+
+def test_empty_buffer_waits_for_nothing() -> None:
+    assert make_collector().wait_ms(0.0) is None
+
+
+def test_a_full_buffer_starts_at_once() -> None:
+    c = make_collector()
+    for i in range(4):
+        c.add(make_pending(i, at=0.0))
+    assert c.wait_ms(1.0) == 0.0
+
+
+def test_a_lone_request_waits_max_wait_then_goes() -> None:
+    c = make_collector()
+    c.add(make_pending(0, at=100.0))
+    assert c.wait_ms(105.0) == 15.0
+    assert c.wait_ms(120.0) == 0.0
+
+
+def test_the_tightest_deadline_pulls_the_launch_earlier() -> None:
+    c = make_collector(max_wait_ms=100.0, margin_ms=15.0)
+    c.add(make_pending(0, at=0.0, deadline=600.0))
+    c.add(make_pending(1, at=0.0, deadline=270.0))  # must start by 270 - 250 - 15 = 5
+    assert c.wait_ms(0.0) == 5.0
+
+
+def test_paid_fills_the_batch_before_free() -> None:
+    c = make_collector(paid_boost_ms=300.0)
+    for i in range(4):
+        c.add(make_pending(i, at=float(i)))
+    c.add(make_pending(10, at=50.0, tier="paid"))
+    batch = c.pop_batch()
+    assert batch[0].id == "r10"
+    assert [p.id for p in batch[1:]] == ["r0", "r1", "r2"]
+    assert c.ids() == ["r3"]
+
+
+def test_aging_lets_an_old_free_request_beat_a_new_paid_one() -> None:
+    c = make_collector(max_batch=1, paid_boost_ms=300.0)
+    c.add(make_pending(0, at=0.0))
+    c.add(make_pending(1, at=400.0, tier="paid"))
+    assert c.pop_batch()[0].id == "r0"
+
+
+def test_requests_that_cannot_finish_in_time_are_taken_out() -> None:
+    c = make_collector(margin_ms=15.0)
+    c.add(make_pending(0, at=0.0, deadline=300.0))
+    c.add(make_pending(1, at=0.0, deadline=600.0))
+    late = c.pop_expired(now_ms=40.0)  # 40 + 250 + 15 > 300
+    assert [p.id for p in late] == ["r0"]
+    assert c.ids() == ["r1"]
+
+
+def test_cancelled_requests_leave_the_buffer() -> None:
+    c = make_collector()
+    for i in range(3):
+        c.add(make_pending(i))
+    assert [p.id for p in c.remove({"r1"})] == ["r1"]
+    assert c.ids() == ["r0", "r2"]

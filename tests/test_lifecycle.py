@@ -1,0 +1,81 @@
+"""Start and stop: a graceful stop loses nothing; no replica or no broker is a 503."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import requests
+
+from tests.conftest import FREE_KEY, MODEL, PAID_KEY, deployment, free_port
+
+
+def test_sigterm_finishes_what_is_in_flight_and_leaves_nothing_running() -> None:
+    port = free_port()
+    env = {**os.environ, "KEYBATCH_API_KEYS": json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})}
+    env.pop("KEYBATCH_REDIS_URL", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "control", "up", "--workers", "2", "--models", MODEL, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
+    try:
+        _serve_then_stop(up, port)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _serve_then_stop(up: subprocess.Popen[str], port: int) -> None:
+    assert up.stdout is not None
+    line = up.stdout.readline()
+    assert line.strip() == f"keybatch ready: http://127.0.0.1:{port}", line
+    family = [p.pid for p in psutil.Process(up.pid).children(recursive=True)]
+    started = psutil.Process(up.pid).create_time()
+    valkeys = [
+        p.pid
+        for p in psutil.process_iter(["name", "create_time"])
+        if "valkey" in (p.info["name"] or "") and p.info["create_time"] >= started
+    ]
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with ThreadPoolExecutor(30) as pool:
+        futures = [
+            pool.submit(requests.post, url, json={"model": MODEL, "prompt": f"x{i}"}, timeout=30) for i in range(30)
+        ]
+        time.sleep(0.1)
+        up.send_signal(signal.SIGTERM)
+        codes = [f.result().status_code for f in futures]
+    assert codes == [200] * 30
+    stopping = time.monotonic()
+    assert up.wait(60) == 0
+    assert time.monotonic() - stopping < 15
+    time.sleep(0.5)
+    assert [
+        pid for pid in family + valkeys if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ] == []
+
+
+def test_no_replica_then_no_broker_answer_503() -> None:
+    with deployment(workers=1) as kb:
+        for worker in kb.system.workers:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+        time.sleep(0.5)  # the gateway's copy of the registry refreshes every 250 ms
+        resp = kb.post()
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "no_replica"
+        assert resp.headers["Retry-After"] == "1"
+        assert requests.get(f"{kb.url}/readyz").status_code == 503
+        assert kb.system.broker is not None
+        kb.system.broker.stop()
+        resp = kb.post()
+        assert resp.status_code == 503
+        assert "Retry-After" in resp.headers

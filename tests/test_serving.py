@@ -1,0 +1,145 @@
+"""The whole path over real HTTP, real Celery replicas and a real Valkey."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import requests
+
+from control.protocol import Job
+from tasks.engine import simulated_text
+from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment
+
+
+def _busy_replicas(kb: Deployment, n: int = 2) -> list:
+    """Start one batch on each replica so that the next request has to wait."""
+    pool = ThreadPoolExecutor(n)
+    futures = [pool.submit(kb.post, {"model": MODEL, "prompt": f"busy {i}"}) for i in range(n)]
+    time.sleep(0.08)
+    return futures
+
+
+def test_every_request_gets_exactly_one_answer(kb: Deployment) -> None:
+    prompts = [f"def f{i}(x):\n    " for i in range(40)]
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(lambda p: kb.post({"model": MODEL, "prompt": p, "max_tokens": 8}), prompts))
+    assert [a.status_code for a in answers] == [200] * 40
+    bodies = [a.json() for a in answers]
+    assert len({b["id"] for b in bodies}) == 40
+    for prompt, body in zip(prompts, bodies, strict=True):
+        expected, _ = simulated_text(
+            Job(id="x", model=MODEL, prompt=prompt, max_tokens=8, gateway="g", received_ms=0, deadline_ms=1)
+        )
+        assert body["choices"][0]["text"] == expected
+        assert body["object"] == "text_completion"
+        assert body["keybatch"]["backend"].startswith("fixed (simulated")
+    assert max(b["keybatch"]["batch_size"] for b in bodies) > 1  # they were batched
+
+
+def test_request_id_is_echoed(kb: Deployment) -> None:
+    resp = kb.post(**{"X-Request-Id": "my-id-1"})
+    assert resp.status_code == 200
+    assert resp.json()["id"] == "my-id-1"
+    assert resp.headers["X-Request-Id"] == "my-id-1"
+
+
+def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
+    before = kb.metric("keybatch_dropped_before_batch_total", reason="cancelled")
+    busy = _busy_replicas(kb)
+    result: dict[str, requests.Response] = {}
+    waiting = threading.Thread(target=lambda: result.setdefault("r", kb.post(**{"X-Request-Id": "to-cancel"})))
+    waiting.start()
+    time.sleep(0.03)
+    cancel = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
+    assert cancel.status_code == 200
+    waiting.join(5)
+    assert result["r"].status_code == 409
+    assert result["r"].json()["error"]["code"] == "cancelled"
+    [f.result() for f in busy]
+    time.sleep(0.6)  # the replica drops it when it next forms a batch
+    assert kb.metric("keybatch_dropped_before_batch_total", reason="cancelled") == before + 1
+    again = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
+    assert again.status_code == 404
+
+
+def test_a_newer_request_in_the_session_supersedes_the_older(kb: Deployment) -> None:
+    before = kb.metric("keybatch_dropped_before_batch_total", reason="superseded")
+    busy = _busy_replicas(kb)
+    result: dict[str, requests.Response] = {}
+    first = threading.Thread(target=lambda: result.setdefault("old", kb.post(**{"X-Session-Id": "s1"})))
+    first.start()
+    time.sleep(0.03)
+    newer = kb.post(**{"X-Session-Id": "s1"})
+    first.join(5)
+    assert result["old"].status_code == 409
+    assert result["old"].json()["error"]["code"] == "superseded"
+    assert newer.status_code == 200
+    [f.result() for f in busy]
+    time.sleep(0.3)
+    assert kb.metric("keybatch_dropped_before_batch_total", reason="superseded") == before + 1
+
+
+def test_a_duplicate_id_in_flight_is_refused(kb: Deployment) -> None:
+    busy = _busy_replicas(kb)
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda _: kb.post(**{"X-Request-Id": "dup-1"}), range(2))
+    assert sorted([a.status_code, b.status_code]) == [200, 409]
+    [f.result() for f in busy]
+
+
+def test_errors_are_openai_shaped(kb: Deployment) -> None:
+    def check(resp: requests.Response, status: int, code: str) -> None:
+        assert resp.status_code == status, resp.text
+        assert resp.json()["error"]["code"] == code
+        assert resp.json()["error"]["type"]
+
+    url = f"{kb.url}/v1/completions"
+    check(requests.post(url, data="{nope", headers={"Content-Type": "application/json"}), 400, "invalid_json")
+    check(kb.post({"model": MODEL}), 400, "invalid_request")
+    check(kb.post({"model": MODEL, "prompt": "x", "n": 2}), 400, "invalid_request")
+    check(kb.post({"model": MODEL, "prompt": "x", "stop": ["a"] * 5}), 400, "invalid_request")
+    check(kb.post({"model": MODEL, "prompt": "x", "max_tokens": 0}), 400, "invalid_request")
+    check(kb.post(**{"X-Deadline-Ms": "soon"}), 400, "invalid_header")
+    check(kb.post(**{"X-Request-Id": "bad id!"}), 400, "invalid_header")
+    check(kb.post(key="wrong-key"), 401, "invalid_api_key")
+    check(kb.post({"model": "no-such-model", "prompt": "x"}), 404, "model_not_found")
+    check(requests.get(f"{kb.url}/v1/nothing"), 404, "not_found")
+    check(requests.delete(f"{url}/never-was"), 404, "request_not_found")
+    check(kb.post({"model": MODEL, "prompt": "x" * 40_000}), 413, "prompt_too_long")
+    check(kb.post(**{"X-Deadline-Ms": "100"}), 504, "deadline_exceeded")
+    check(requests.put(url), 405, "method_not_allowed")
+
+
+def test_a_header_cannot_raise_the_tier(kb: Deployment) -> None:
+    resp = kb.post(key=None, **{"X-Tier": "paid"})
+    assert resp.status_code == 200
+    assert resp.json()["keybatch"]["tier"] == "free"
+    assert kb.post(key=PAID_KEY).json()["keybatch"]["tier"] == "paid"
+
+
+def test_health_readiness_models_metrics(kb: Deployment) -> None:
+    assert requests.get(f"{kb.url}/healthz").json() == {"status": "ok"}
+    ready = requests.get(f"{kb.url}/readyz").json()
+    assert ready["replicas"] == {MODEL: 2}
+    models = requests.get(f"{kb.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    kb.post()
+    assert kb.metric("keybatch_requests_total", model=MODEL, tier="free", status="200") >= 1
+
+
+def test_openai_client_library(kb: Deployment) -> None:
+    client = openai.OpenAI(base_url=f"{kb.url}/v1", api_key=PAID_KEY, max_retries=0)
+    done = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=5)
+    assert done.choices[0].text
+    assert done.object == "text_completion"
+    chunks = list(client.completions.create(model=MODEL, prompt="import os\n", max_tokens=5, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    try:
+        client.completions.create(model="no-such-model", prompt="x")
+    except openai.NotFoundError as err:
+        assert err.status_code == 404
+    else:
+        raise AssertionError("expected a 404")
