@@ -104,6 +104,7 @@ class Gateway:
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
         self.waiters: dict[str, Waiter] = {}
         self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
+        self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
         self.is_admitting = True
         self._lock = threading.Lock()
         self._started = False
@@ -130,7 +131,9 @@ class Gateway:
         capacity = self.fleet.capacity(job.model)
         verdict, position = admission.check(budget, capacity, self.limits), 0
         if verdict == Verdict.ADMIT:
-            deepest = admission.max_position(job.tier, budget, capacity, self.limits)
+            now = self.clock.now_ms()
+            paid_rate = self._paid_rate.setdefault(job.model, admission.RateMeter()).rate(now)
+            deepest = admission.max_position(job.tier, budget, capacity, self.limits, paid_rate)
             position = self._recent_position(job)
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
                 verdict = Verdict.OVERLOADED
@@ -142,6 +145,8 @@ class Gateway:
                 self.waiters[job.id] = waiter
             verdict, position = self._enqueue(job, session_id, deepest)
             if verdict == Verdict.ADMIT:
+                if job.tier == "paid":
+                    self._paid_rate[job.model].add(now)
                 self.metrics.inflight.inc()
                 return waiter
             with self._lock:

@@ -75,9 +75,43 @@ def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
     return Verdict.ADMIT
 
 
-def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
-    """The deepest queue position (1-based) at which the request still fits."""
-    return min(max_rounds(budget_ms, capacity, limits) * capacity.per_round, limits.max_queue(tier))
+def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
+    """The deepest queue position (1-based) at which the request still fits.
+
+    Paid requests that arrive later still go ahead of a free one, so a free
+    request leaves room for the paid traffic expected within one batch time.
+    """
+    deepest = max_rounds(budget_ms, capacity, limits) * capacity.per_round
+    if tier == "free":
+        deepest -= math.ceil(paid_rate_rps * capacity.batch_ms / 1000.0)
+    return min(deepest, limits.max_queue(tier))
+
+
+class RateMeter:
+    """Events per second over a sliding window, on the clock it is given."""
+
+    def __init__(self, window_ms: float = 1000.0) -> None:
+        self.window_ms = window_ms
+        self._start = 0.0
+        self._count = 0
+        self._last_rate = 0.0
+
+    def add(self, now_ms: float) -> None:
+        self._roll(now_ms)
+        self._count += 1
+
+    def rate(self, now_ms: float) -> float:
+        self._roll(now_ms)
+        elapsed = max(now_ms - self._start, 1.0)
+        current = self._count * 1000.0 / max(elapsed, self.window_ms / 4)
+        weight = min(1.0, elapsed / self.window_ms)
+        return weight * current + (1 - weight) * self._last_rate
+
+    def _roll(self, now_ms: float) -> None:
+        if now_ms - self._start >= self.window_ms:
+            elapsed = now_ms - self._start
+            self._last_rate = self._count * 1000.0 / elapsed if elapsed < 2 * self.window_ms else 0.0
+            self._start, self._count = now_ms, 0
 
 
 def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:

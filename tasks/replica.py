@@ -147,24 +147,27 @@ class Replica:
     def wants_messages(self) -> bool:
         """May the consumer pull another request from the shared queue now?
 
-        A replica holds at most two batches of requests. A busy one, while
-        another replica of its model is idle, leaves the queue to that replica
-        and pulls its own next batch only `pull_lead_ms` before it expects to be
-        free (low load: idle replicas first). When no peer is idle (high load)
-        it keeps pulling while the current batch runs; since the queue hands out
-        paid requests first and the buffer ranks them first, a paid request that
-        arrives late still makes the next batch. Read without the lock: a stale
-        answer costs one message at most.
+        An idle replica pulls up to two batches. A busy one pulls at most one
+        next batch, so what it cannot run next stays in the queue for whichever
+        replica frees first. While another replica of its model is idle, a busy
+        one leaves the queue to that replica and pulls only `pull_lead_ms`
+        before it expects to be free (low load: idle replicas first). Read
+        without the lock: a stale answer costs one message at most.
         """
-        if self._stopping or len(self.collector) >= 2 * self.collector.config.max_batch:
+        if self._stopping:
             return False
-        return not self.busy or not self._peer_idle or self.clock.now_ms() >= self._pull_at_ms
+        limit = self.collector.config.max_batch
+        if not self.busy:
+            return len(self.collector) < 2 * limit
+        if len(self.collector) >= limit:
+            return False
+        return not self._peer_idle or self.clock.now_ms() >= self._pull_at_ms
 
     def reopens_at_ms(self) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""
         if not self.busy or self._stopping:
             return None
-        if len(self.collector) < 2 * self.collector.config.max_batch:
+        if len(self.collector) < self.collector.config.max_batch:
             return self._pull_at_ms
         return self._ends_at_ms
 

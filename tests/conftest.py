@@ -60,7 +60,12 @@ def deployment(workers: int = 2, **env: str) -> Iterator[Deployment]:
         system = System(Settings(), Plan(workers=workers, models=[MODEL], port=free_port(), quiet=True))
         system.start()
         try:
-            yield Deployment(system, system.url)
+            d = Deployment(system, system.url)
+            # Readiness is not warmth: the first batches after a start run slow
+            # (first connections, first imports); one request per replica first.
+            for _ in range(workers):
+                d.post()
+            yield d
         finally:
             system.stop()
     finally:

@@ -36,3 +36,18 @@ def test_no_replica() -> None:
 def test_retry_after_grows_with_the_excess() -> None:
     assert retry_after_s(129, 600.0, CAP, LIMITS) == 1
     assert retry_after_s(128 * 10, 600.0, CAP, LIMITS) == 3
+
+
+def test_free_leaves_room_for_the_paid_traffic_expected_in_one_batch() -> None:
+    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 128 - 25
+    assert max_position("paid", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 128
+
+
+def test_rate_meter_follows_a_steady_rate() -> None:
+    from control.admission import RateMeter
+
+    meter = RateMeter(window_ms=1000.0)
+    for i in range(300):  # 100 per second for 3 s
+        meter.add(i * 10.0)
+    assert 90.0 <= meter.rate(3000.0) <= 110.0
+    assert meter.rate(10_000.0) == 0.0
