@@ -54,16 +54,18 @@ class Verdict(IntEnum):
 def predict_ms(position: int, capacity: Capacity) -> float:
     """Expected finish of the request at 1-based `position` in the queue.
 
-    The replicas are on average half-way through a batch; then the request
-    rides in round ceil(position / per_round) of batches.
+    The request rides in batch slot k = ceil(position / max_batch). With the
+    model's replicas out of phase, a slot starts every batch_ms / replicas,
+    the first half of one such interval from now; then the batch runs.
     """
-    return (math.ceil(position / capacity.per_round) + 0.5) * capacity.batch_ms
+    slot = math.ceil(position / capacity.max_batch)
+    return (slot - 0.5) * capacity.batch_ms / capacity.num_replicas + capacity.batch_ms
 
 
-def max_rounds(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
-    """Rounds of batches a request may wait for (including its own)."""
-    usable = budget_ms - limits.margin_ms
-    return max(1, math.floor(usable / capacity.batch_ms - 0.5))
+def max_slots(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """Batch slots a request may wait for (including its own) within its budget."""
+    spare = budget_ms - limits.margin_ms - capacity.batch_ms
+    return max(1, math.floor(spare * capacity.num_replicas / capacity.batch_ms + 0.5))
 
 
 def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
@@ -81,7 +83,7 @@ def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limit
     Paid requests that arrive later still go ahead of a free one, so a free
     request leaves room for the paid traffic expected within one batch time.
     """
-    deepest = max_rounds(budget_ms, capacity, limits) * capacity.per_round
+    deepest = max_slots(budget_ms, capacity, limits) * capacity.max_batch
     if tier == "free":
         deepest -= math.ceil(paid_rate_rps * capacity.batch_ms / 1000.0)
     return min(deepest, limits.max_queue(tier))
@@ -115,6 +117,6 @@ class RateMeter:
 
 
 def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
-    """When a refused request could expect to fit: the queue drains a round per batch."""
-    excess = math.ceil(position / capacity.per_round) - max_rounds(budget_ms, capacity, limits)
-    return max(1, math.ceil(excess * capacity.batch_ms / 1000.0))
+    """When a refused request could expect to fit: a slot drains every batch_ms / replicas."""
+    excess = math.ceil(position / capacity.max_batch) - max_slots(budget_ms, capacity, limits)
+    return max(1, math.ceil(excess * capacity.batch_ms / capacity.num_replicas / 1000.0))

@@ -31,7 +31,13 @@ class Record:
 
     @property
     def overhead_ms(self) -> float:
+        """End to end minus time inside the batch (includes waiting for a free replica)."""
         return self.latency_ms - self.batch_ms
+
+    @property
+    def system_ms(self) -> float:
+        """End to end minus queueing and the batch: HTTP, admission, enqueue, routing back."""
+        return self.latency_ms - self.queue_ms - self.batch_ms
 
 
 @dataclass
@@ -138,6 +144,9 @@ def summarize(records: list[Record]) -> dict[str, dict[str, float]]:
             "p99_429_ms": percentile([r.latency_ms for r in shed], 99),
             "overhead_p50_ms": percentile([r.overhead_ms for r in ok], 50),
             "overhead_p99_ms": percentile([r.overhead_ms for r in ok], 99),
+            "queue_p50_ms": percentile([r.queue_ms for r in ok], 50),
+            "system_p50_ms": percentile([r.system_ms for r in ok], 50),
+            "system_p99_ms": percentile([r.system_ms for r in ok], 99),
             "mean_batch": sum(r.batch_size for r in ok) / len(ok) if ok else float("nan"),
         }
     return out

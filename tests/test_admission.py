@@ -8,14 +8,15 @@ CAP = Capacity(num_replicas=2, max_batch=64, batch_ms=250.0)
 LIMITS = Limits(max_queue_paid=4096, max_queue_free=2048, margin_ms=15.0)
 
 
-def test_one_round_fits_the_default_budget() -> None:
-    assert max_position("free", 600.0, CAP, LIMITS) == 128
-    assert predict_ms(128, CAP) <= 600.0 - 15.0
-    assert predict_ms(129, CAP) > 600.0 - 15.0
+def test_three_batch_slots_fit_the_default_budget_on_two_replicas() -> None:
+    # slot k starts (k - 0.5) * 250 / 2 ms from now, then runs 250 ms
+    assert max_position("free", 600.0, CAP, LIMITS) == 192
+    assert predict_ms(192, CAP) <= 600.0 - 15.0
+    assert predict_ms(193, CAP) > 600.0 - 15.0
 
 
 def test_a_longer_budget_allows_more_rounds() -> None:
-    assert max_position("paid", 1400.0, CAP, LIMITS) == 5 * 128  # floor(1385 / 250 - 0.5) rounds
+    assert max_position("paid", 1400.0, CAP, LIMITS) == 9 * 64  # floor(1135 * 2 / 250 + 0.5) slots
 
 
 def test_queue_limits_cap_the_position() -> None:
@@ -34,13 +35,13 @@ def test_no_replica() -> None:
 
 
 def test_retry_after_grows_with_the_excess() -> None:
-    assert retry_after_s(129, 600.0, CAP, LIMITS) == 1
-    assert retry_after_s(128 * 10, 600.0, CAP, LIMITS) == 3
+    assert retry_after_s(193, 600.0, CAP, LIMITS) == 1
+    assert retry_after_s(64 * 30, 600.0, CAP, LIMITS) == 4  # 27 slots of 125 ms
 
 
 def test_free_leaves_room_for_the_paid_traffic_expected_in_one_batch() -> None:
-    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 128 - 25
-    assert max_position("paid", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 128
+    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192 - 25
+    assert max_position("paid", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192
 
 
 def test_rate_meter_follows_a_steady_rate() -> None:
