@@ -167,8 +167,9 @@ def print_summary(title: str, summary: dict[str, dict[str, float]]) -> None:
         "p50_ms",
         "p99_ms",
         "p99_429_ms",
-        "overhead_p50_ms",
-        "overhead_p99_ms",
+        "queue_p50_ms",
+        "system_p50_ms",
+        "system_p99_ms",
         "mean_batch",
     ]
     table.add_column("tier")
