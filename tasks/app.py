@@ -91,3 +91,13 @@ def task_message(app: Celery, job: p.Job) -> str:
         "properties": properties,
     }
     return json.dumps(envelope)
+
+
+def job_from_message(raw: bytes | str) -> p.Job:
+    """The job inside a message as `task_message` (or `send_task`) stored it."""
+    envelope = json.loads(raw)
+    body = envelope["body"]
+    if envelope["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args, _kwargs, _embed = json.loads(body)
+    return p.Job.model_validate(args[0])

@@ -56,6 +56,10 @@ class Collector:
     def add(self, pending: Pending) -> None:
         self.waiting.append(pending)
 
+    def num_free(self) -> int:
+        """Free requests that a late paid one would displace from the next batch."""
+        return min(self.config.max_batch, sum(p.tier == "free" for p in self.waiting))
+
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]
 

@@ -21,6 +21,7 @@ import redis
 
 from control import protocol as p
 from control.clock import Clock
+from tasks.app import job_from_message
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output
 
@@ -201,9 +202,14 @@ class Replica:
     def _take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
         with self._cond:
             ids = self.collector.ids()
-        reasons = self._cancel_reasons(ids)  # one round trip for the whole buffer
+            room = self.collector.num_free()
+        # One round trip: cancels for the whole buffer, and paid requests still in
+        # the queue that would otherwise ride behind free ones already buffered.
+        reasons, late_paid = self._cancels_and_paid(ids, room)
         dropped: dict[str, list[Pending]] = defaultdict(list)
         with self._cond:
+            for job in late_paid:
+                self.collector.add(Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job)))
             for pending in self.collector.remove(set(reasons)):
                 dropped[reasons[pending.id]].append(pending)
             dropped["expired"].extend(self.collector.pop_expired(self.clock.now_ms()))
@@ -314,10 +320,27 @@ class Replica:
     # -- cancels and the registry -------------------------------------------------
 
     def _cancel_reasons(self, ids: list[str]) -> dict[str, str]:
-        if not ids:
-            return {}
-        values = self.redis.mget([p.cancel_key(i) for i in ids])
-        return {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
+        return self._cancels_and_paid(ids, 0)[0]
+
+    def _cancels_and_paid(self, ids: list[str], room: int) -> tuple[dict[str, str], list[p.Job]]:
+        if not ids and not room:
+            return {}, []
+        pipe = self.redis.pipeline(transaction=False)
+        if ids:
+            pipe.mget([p.cancel_key(i) for i in ids])
+        if room:
+            pipe.rpop(p.queue_key(self.model, "paid"), room)
+        results = pipe.execute()
+        values = results[0] if ids else []
+        reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
+        raws = (results[-1] or []) if room else []
+        jobs = []
+        for raw in raws:
+            try:
+                jobs.append(job_from_message(raw))
+            except (ValueError, KeyError, TypeError, IndexError):
+                log.warning("dropping a malformed paid message")
+        return reasons, jobs
 
     def cancelled(self, ids: Iterable[str]) -> list[str]:
         return list(self._cancel_reasons(list(ids)))

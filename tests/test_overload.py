@@ -9,9 +9,9 @@ from tests.conftest import FREE_KEY, MODEL, PAID_KEY, deployment
 
 
 def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:
-    # 2 replicas x 8 per 250 ms = 64 req/s; offer 128 req/s, 30% paid.
-    with deployment(max_batch="8") as kb:
-        spec = LoadSpec(kb.url, 128.0, 6.0, MODEL, paid_share=0.3, paid_key=PAID_KEY, free_key=FREE_KEY, seed=7)
+    # 2 replicas x 16 per 250 ms = 128 req/s; offer 256 req/s, 30% paid.
+    with deployment(max_batch="16") as kb:
+        spec = LoadSpec(kb.url, 256.0, 6.0, MODEL, paid_share=0.3, paid_key=PAID_KEY, free_key=FREE_KEY, seed=7)
         records = asyncio.run(run_spec(spec, show_progress=False))
     summary = summarize(records)
     paid, free = summary["paid"], summary["free"]
