@@ -12,7 +12,7 @@ from control.settings import Settings
 SETTINGS_HELP = """settings (environment, prefix KEYBATCH_, or a .env file):
   REDIS_URL BROKER_URL API_KEYS ALLOW_ANONYMOUS ADMIN_TOKEN MODELS MODELS_DIR
   MAX_BATCH BATCH_MS MAX_WAIT_MS PAID_BOOST_MS DEADLINE_MS MAX_DEADLINE_MS
-  DEADLINE_MARGIN_MS MAX_QUEUE_PAID MAX_QUEUE_FREE MAX_PROMPT_CHARS
+  DEADLINE_MARGIN_MS PULL_LEAD_MS MAX_QUEUE_PAID MAX_QUEUE_FREE MAX_PROMPT_CHARS
   MAX_TOKENS_LIMIT API_WORKER_CLASS API_PROCESSES API_THREADS HOST PORT
   HEARTBEAT_S REPLICA_TTL_S TASK_EVENTS   (README: "Configuration")"""
 
@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
 
-    sub.add_parser("flower", help="Celery Flower against the same broker")
+    flower = sub.add_parser("flower", help="Celery Flower against the same broker")
+    flower.add_argument("--flower-port", type=int, default=5555)
     return top
 
 
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 def _up(settings: Settings, args: argparse.Namespace) -> int:
     from control.up import Plan, System
 
+    if args.backend != "fixed" or args.policy != "static":
+        print("only --backend fixed --policy static exist so far (the hf engine is the next issue)", file=sys.stderr)
+        return 2
     models = [m for m in args.models.split(",") if m]
     plan = Plan(workers=args.workers, backend=args.backend, policy=args.policy, models=models, port=settings.port)
     system = System(settings, plan)
@@ -112,7 +116,7 @@ def _flower(settings: Settings, args: argparse.Namespace) -> int:
     from tasks.app import make_celery
 
     app = make_celery(settings)
-    app.start(["flower", f"--broker={settings.broker}"])
+    app.start(["flower", f"--port={args.flower_port}"])
     return 0
 
 
