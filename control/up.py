@@ -87,9 +87,9 @@ class System:
                 "--name",
                 f"{model}-{i}@{host}",
             ]
-            self.workers.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True))
+            self.workers.append(_spawn(cmd, env, out))
         cmd = [sys.executable, "-m", "control", "api", "--port", str(self.plan.port)]
-        self.gateway = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
+        self.gateway = _spawn(cmd, env, out)
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -137,6 +137,20 @@ class System:
                 return 1
         print("keybatch: stopping (finishing requests in flight)", flush=True)
         return 1 if self.stop() else 0
+
+
+def _spawn(cmd: list[str], env: dict[str, str], out: object) -> subprocess.Popen[bytes]:
+    """A child in its own session (Ctrl-C reaches only the supervisor, which stops the
+    children in order) that gets SIGTERM if the supervisor dies without stopping it."""
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=_term_with_parent)
+
+
+def _term_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> int:
