@@ -64,7 +64,7 @@ def _budget_ms(settings: Settings) -> float:
 def _parse_body(settings: Settings):  # noqa: ANN202 - returns CompletionRequest
     from api.schemas import CompletionRequest
 
-    body = request.get_json(silent=True)
+    body = request.get_json(force=True, silent=True)  # whatever the Content-Type says
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class CompletionRequest(BaseModel):
@@ -20,6 +22,17 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     user: str | None = None
     n: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """OpenAI clients send null for options they leave unset."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k in ("model", "prompt")}
+            prompt = data.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                data["prompt"] = prompt[0]  # one prompt, as OpenAI's array form
+        return data
 
     @field_validator("n")
     @classmethod

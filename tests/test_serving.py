@@ -113,6 +113,14 @@ def test_errors_are_openai_shaped(kb: Deployment) -> None:
     check(requests.put(url), 405, "method_not_allowed")
 
 
+def test_what_ordinary_clients_send_is_accepted(kb: Deployment) -> None:
+    nulls = {"model": MODEL, "prompt": ["x = 1\n"], "max_tokens": None, "temperature": None, "stop": None, "n": None}
+    assert kb.post(nulls).status_code == 200
+    raw = requests.post(f"{kb.url}/v1/completions", data='{"model": "kb-small", "prompt": "x"}')  # form content type
+    assert raw.status_code == 200
+    assert kb.post({"model": MODEL, "prompt": ["a", "b"]}).status_code == 400
+
+
 def test_a_header_cannot_raise_the_tier(kb: Deployment) -> None:
     resp = kb.post(key=None, **{"X-Tier": "paid"})
     assert resp.status_code == 200
