@@ -66,6 +66,7 @@ if ARGV[5] == 'free' then
   own = KEYS[3]
 end
 if position > tonumber(ARGV[6]) then return {-1, paid, free} end
+if redis.call('EXISTS', 'kb:cancel:' .. ARGV[4]) == 1 then return {0, paid, free} end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, paid, free} end
 redis.call('ZADD', own, ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[4], ARGV[8])
@@ -195,7 +196,10 @@ class Gateway:
         timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
         try:
             if not waiter.event.wait(timeout_s):
-                self.cancel(waiter.job.id, "expired")
+                try:
+                    self.cancel(waiter.job.id, "expired")
+                except ApiError:  # the broker is away: the answer is a 504 all the same
+                    waiter.resolve(p.Dropped(id=waiter.job.id, reason="expired", replica=""))
         finally:
             with self._lock:
                 self.waiters.pop(waiter.job.id, None)
@@ -228,7 +232,10 @@ class Gateway:
                 threading.Event().wait(0.2)
                 continue
             for raw in raws:
-                self._deliver(p.Reply.model_validate_json(raw))
+                try:
+                    self._deliver(p.Reply.model_validate_json(raw))
+                except Exception:  # one bad message must not stop the listener
+                    log.exception("could not deliver a reply message")
 
     def _deliver(self, reply: p.Reply) -> None:
         for item in reply.items:
@@ -256,7 +263,9 @@ class Gateway:
 
 
 def _in_flight(request_id: str) -> ApiError:
-    return ApiError(409, f"request {request_id} is already in flight", "request_in_flight")
+    return ApiError(
+        409, f"request id {request_id} is in flight or was cancelled in the last two minutes", "request_in_flight"
+    )
 
 
 def _broker_down(exc: BaseException) -> ApiError:

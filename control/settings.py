@@ -51,9 +51,7 @@ class Settings(BaseSettings):
     paid_boost_ms: float = Field(
         300.0, ge=0, description="aging: a free request waiting this long ranks with a new paid one"
     )
-    pull_lead_ms: float = Field(
-        100.0, ge=0, description="a busy replica pulls its next batch this long before it frees"
-    )
+    pull_lead_ms: float = Field(40.0, ge=0, description="a busy replica pulls its next batch this long before it frees")
     deadline_margin_ms: float = Field(15.0, ge=0, description="slack kept for the trip back to the client")
 
     # Deadlines and admission.

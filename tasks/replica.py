@@ -141,7 +141,10 @@ class Replica:
         self._stopped.set()
         self._beat.join(timeout_s)
         try:
-            self.redis.pipeline().delete(p.replica_key(self.name)).srem(p.REPLICAS_KEY, self.name).execute()
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(p.replica_key(self.name)).srem(p.REPLICAS_KEY, self.name)
+            pipe.zrem(p.idle_key(self.model), self.name)
+            pipe.execute()
         except redis.RedisError:
             log.warning("could not leave the replica registry")
 
@@ -183,10 +186,25 @@ class Replica:
 
     def _run(self) -> None:
         while self._wait_until_due():
-            batch, dropped = self._take()
-            self._settle(batch, dropped)
-            if batch:
-                self._execute(batch)
+            batch: list[Pending] = []
+            try:
+                batch, dropped = self._take()
+                self._settle(batch, dropped)
+                if batch:
+                    self._execute(batch)
+            except Exception:  # Redis away, a bad message: never let the loop die
+                log.exception("batching loop error; %d requests in hand", len(batch))
+                self._fail_quietly(batch)
+                self._stopped.wait(0.1)
+
+    def _fail_quietly(self, batch: list[Pending]) -> None:
+        self.busy = False
+        if not batch:
+            return
+        try:
+            self._answer_failed(batch, "replica error")
+        except Exception:
+            log.exception("could not tell the gateways; their requests end at their deadlines")
 
     def _wait_until_due(self) -> bool:
         """Block until a batch is due; False once stopping with nothing left."""
@@ -202,7 +220,7 @@ class Replica:
     def _take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
         with self._cond:
             ids = self.collector.ids()
-            room = self.collector.num_free()
+            room = 0 if self._stopping else self.collector.num_free()
         # One round trip: cancels for the whole buffer, and paid requests still in
         # the queue that would otherwise ride behind free ones already buffered.
         reasons, late_paid = self._cancels_and_paid(ids, room)

@@ -121,7 +121,7 @@ class ReplicaStep(bootsteps.StartStopStep):
             )
             import redis
 
-            client = redis.Redis.from_url(s.state_url)
+            client = redis.Redis.from_url(s.state_url, socket_timeout=5, socket_connect_timeout=5)
             self.replica = Replica(
                 c.hostname,
                 spec.model,
@@ -130,6 +130,8 @@ class ReplicaStep(bootsteps.StartStopStep):
                 client,
                 SystemClock(),
                 events=CeleryEvents(c),
+                wake=lambda: c.call_soon(_noop),
+                pull_lead_ms=s.pull_lead_ms,
                 heartbeat_s=s.heartbeat_s,
                 ttl_s=s.replica_ttl_s,
             )
