@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -34,18 +35,24 @@ def _header_id(name: str) -> str | None:
     return value
 
 
-def tier_of(settings: Settings) -> Tier:
-    """The key decides the tier; no header can raise it."""
+def caller(settings: Settings) -> tuple[Tier, str]:
+    """The key decides the tier (no header can raise it) and the tenant its sessions and
+    cancels are scoped to."""
     auth = request.headers.get("Authorization")
     if auth is None:
         if settings.allow_anonymous:
-            return "free"
+            return "free", "anonymous"
         raise ApiError(401, "an API key is required (Authorization: Bearer KEY)", "missing_api_key")
     scheme, _, key = auth.partition(" ")
-    tier = settings.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+    key = key.strip()
+    tier = settings.api_keys.get(key) if scheme.lower() == "bearer" else None
     if tier is None:
         raise ApiError(401, "invalid API key", "invalid_api_key")
-    return tier
+    return tier, hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tier_of(settings: Settings) -> Tier:
+    return caller(settings)[0]
 
 
 def _budget_ms(settings: Settings) -> float:
@@ -86,7 +93,7 @@ def create_completion() -> Response:
     gw = gateway()
     settings = gw.settings
     received = gw.clock.now_ms()
-    tier = tier_of(settings)
+    tier, tenant = caller(settings)
     request_id = _header_id("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
     session_id = _header_id("X-Session-Id")
     budget = _budget_ms(settings)
@@ -107,7 +114,7 @@ def create_completion() -> Response:
         stream=req.stream,
     )
     try:
-        waiter = gw.submit(job, session_id)
+        waiter = gw.submit(job, session_id, tenant)
     except ApiError as err:
         gw.metrics.requests.labels(job.model, tier, str(err.status)).inc()
         raise
@@ -199,9 +206,9 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
 def cancel_completion(request_id: str) -> Response:
     """Cancel a request in flight; its waiting call answers 409 `cancelled`."""
     gw = gateway()
-    tier_of(gw.settings)
+    _tier, tenant = caller(gw.settings)
     if not _ID.match(request_id):
         raise ApiError(400, "invalid request id", "invalid_request")
-    if not gw.cancel(request_id, "cancelled"):
+    if not gw.cancel(request_id, "cancelled", tenant):
         raise ApiError(404, f"no request {request_id} in flight", "request_not_found")
     return jsonify({"id": request_id, "object": "text_completion.cancelled", "cancelled": True})

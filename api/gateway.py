@@ -34,23 +34,30 @@ CANCEL_TTL_MS = 120_000
 FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
 
 # Shared by both scripts: mark a request cancelled and tell the gateway holding it.
+# The owner value is "<gateway>|<waiting set>|<tenant>". A cancel from a client only
+# finds requests of its own tenant ('' matches any: the gateway's own expiry).
 _CANCEL_FN = """
-local function cancel(id, reason)
+local function cancel(id, reason, tenant)
   local owner = redis.call('GET', 'kb:req:' .. id)
   if not owner then return 0 end
+  local a = string.find(owner, '|', 1, true)
+  local b = string.find(owner, '|', a + 1, true)
+  local gateway, waiting, who = owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1)
+  if tenant ~= '' and tenant ~= who then return 0 end
   redis.call('SET', 'kb:cancel:' .. id, reason, 'PX', CANCEL_TTL_MS)
   redis.call('DEL', 'kb:req:' .. id)
-  local key = 'kb:reply:' .. owner
+  redis.call('ZREM', waiting, id)
+  local key = 'kb:reply:' .. gateway
   redis.call('RPUSH', key, cjson.encode({items = {{kind = 'cancelled', id = id, reason = reason}}}))
   redis.call('EXPIRE', key, 60)
   return 1
 end
 """.replace("CANCEL_TTL_MS", str(CANCEL_TTL_MS))
 
-CANCEL_LUA = _CANCEL_FN + "return cancel(ARGV[1], ARGV[2])"
+CANCEL_LUA = _CANCEL_FN + "return cancel(ARGV[1], ARGV[2], ARGV[3])"
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
-# ARGV: gateway, ttl ms, deadline, id, tier, max position, now, task message.
+# ARGV: owner value, ttl ms, deadline, id, tier, max position, now, task message.
 # Returns {status, paid waiting, free waiting}; status 1 admitted, 0 already in flight, -1 too deep.
 ADMIT_LUA = (
     _CANCEL_FN
@@ -72,7 +79,7 @@ redis.call('ZADD', own, ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[4], ARGV[8])
 if KEYS[5] then
   local previous = redis.call('SET', KEYS[5], ARGV[4], 'GET', 'PX', ARGV[2])
-  if previous and previous ~= ARGV[4] then cancel(previous, 'superseded') end
+  if previous and previous ~= ARGV[4] then cancel(previous, 'superseded', '') end
 end
 return {1, paid, free}
 """
@@ -123,7 +130,7 @@ class Gateway:
 
     # -- submit ----------------------------------------------------------------
 
-    def submit(self, job: p.Job, session_id: str | None) -> Waiter:
+    def submit(self, job: p.Job, session_id: str | None, tenant: str = "anonymous") -> Waiter:
         """Admit and enqueue one request; raise ApiError if it cannot be taken."""
         self.start()
         if not self.is_admitting:
@@ -144,7 +151,7 @@ class Gateway:
                 if job.id in self.waiters:
                     raise _in_flight(job.id)
                 self.waiters[job.id] = waiter
-            verdict, position = self._enqueue(job, session_id, deepest)
+            verdict, position = self._enqueue(job, session_id, deepest, tenant)
             if verdict == Verdict.ADMIT:
                 if job.tier == "paid":
                     self._paid_rate[job.model].add(now)
@@ -162,7 +169,7 @@ class Gateway:
             return 0
         return paid + 1 + (free if job.tier == "free" else 0)
 
-    def _enqueue(self, job: p.Job, session_id: str | None, deepest: int) -> tuple[Verdict, int]:
+    def _enqueue(self, job: p.Job, session_id: str | None, deepest: int, tenant: str) -> tuple[Verdict, int]:
         """One round trip admits the request and enqueues its Celery task, or neither."""
         keys = [
             p.owner_key(job.id),
@@ -171,10 +178,11 @@ class Gateway:
             p.queue_key(job.model, job.tier),
         ]
         if session_id:
-            keys.append(p.session_key(session_id))
+            keys.append(p.session_key(f"{tenant}:{session_id}"))
         ttl = int(job.deadline_ms - job.received_ms) + 5_000
         message = task_message(self.celery, job)
-        args = [self.id, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
+        owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}"
+        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
         try:
             status, paid, free = self._admit(keys=keys, args=args)
         except redis.RedisError as exc:
@@ -205,10 +213,10 @@ class Gateway:
                 self.waiters.pop(waiter.job.id, None)
             self.metrics.inflight.dec()
 
-    def cancel(self, request_id: str, reason: str) -> bool:
-        """Cancel a request in flight on any gateway; False if none holds it."""
+    def cancel(self, request_id: str, reason: str, tenant: str = "") -> bool:
+        """Cancel a request in flight on any gateway; False if none of `tenant`'s ('' any) is."""
         try:
-            found = bool(self._cancel(args=[request_id, reason]))
+            found = bool(self._cancel(args=[request_id, reason, tenant]))
         except redis.RedisError as exc:
             raise _broker_down(exc) from exc
         waiter = self.waiters.get(request_id)

@@ -358,6 +358,10 @@ class Replica:
                 jobs.append(job_from_message(raw))
             except (ValueError, KeyError, TypeError, IndexError):
                 log.warning("dropping a malformed paid message")
+        if jobs:  # rare: late paid requests may have been cancelled while queued
+            late = [job.id for job in jobs]
+            values = self.redis.mget([p.cancel_key(i) for i in late])
+            reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
         return reasons, jobs
 
     def cancelled(self, ids: Iterable[str]) -> list[str]:

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import redis
 import requests
 
 from control.protocol import Job
@@ -53,8 +54,12 @@ def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
     waiting = threading.Thread(target=lambda: result.setdefault("r", kb.post(**{"X-Request-Id": "to-cancel"})))
     waiting.start()
     time.sleep(0.03)
+    stranger = {"Authorization": f"Bearer {PAID_KEY}"}  # another tenant cannot cancel it
+    assert requests.delete(f"{kb.url}/v1/completions/to-cancel", headers=stranger).status_code == 404
     cancel = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
     assert cancel.status_code == 200
+    state = redis.Redis.from_url(kb.system.redis_url)
+    assert state.zscore(f"kb:waiting:{MODEL}:free", "to-cancel") is None  # no longer counted as queued
     waiting.join(5)
     assert result["r"].status_code == 409
     assert result["r"].json()["error"]["code"] == "cancelled"
