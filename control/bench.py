@@ -97,6 +97,10 @@ def _load90(url: str, model: str, capacity: float, s: Settings, args: argparse.N
         f"p99 {a['system_p99_ms']:.1f} ms (target <= 40)"
     )
     print(
+        f"    of which inside the gateway (its total - queue - batch): p50 {a['gateway_p50_ms']:.1f} ms, "
+        f"p99 {a['gateway_p99_ms']:.1f} ms; the rest is the client and the sockets on the same 2 cores"
+    )
+    print(
         f"  end to end - batch, which includes waiting for a busy replica ({a['queue_p50_ms']:.0f} ms p50 "
         f"in queue): p50 {a['overhead_p50_ms']:.1f} ms, p99 {a['overhead_p99_ms']:.1f} ms\n"
     )

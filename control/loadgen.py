@@ -27,12 +27,18 @@ class Record:
     queue_ms: float = 0.0
     batch_ms: float = 0.0
     batch_size: int = 0
+    server_ms: float = 0.0  # the gateway's own total (received -> answer ready)
     error: str = ""
 
     @property
     def overhead_ms(self) -> float:
         """End to end minus time inside the batch (includes waiting for a free replica)."""
         return self.latency_ms - self.batch_ms
+
+    @property
+    def gateway_ms(self) -> float:
+        """The part of the system overhead spent inside the gateway process."""
+        return self.server_ms - self.queue_ms - self.batch_ms
 
     @property
     def system_ms(self) -> float:
@@ -80,6 +86,7 @@ async def _one(session: aiohttp.ClientSession, spec: LoadSpec, sent_s: float, ti
             if resp.status == 200:
                 kb = json.loads(payload)["keybatch"]
                 rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
+                rec.server_ms = kb["total_ms"]
             return rec
     except (TimeoutError, aiohttp.ClientError) as exc:
         return Record(sent_s, tier, 0, (time.perf_counter() - start) * 1000, error=type(exc).__name__)
@@ -147,6 +154,8 @@ def summarize(records: list[Record]) -> dict[str, dict[str, float]]:
             "queue_p50_ms": percentile([r.queue_ms for r in ok], 50),
             "system_p50_ms": percentile([r.system_ms for r in ok], 50),
             "system_p99_ms": percentile([r.system_ms for r in ok], 99),
+            "gateway_p50_ms": percentile([r.gateway_ms for r in ok], 50),
+            "gateway_p99_ms": percentile([r.gateway_ms for r in ok], 99),
             "mean_batch": sum(r.batch_size for r in ok) / len(ok) if ok else float("nan"),
         }
     return out
