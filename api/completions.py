@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
+from api.schemas import CompletionRequest
 from control import protocol as p
 from control.settings import Settings, Tier
 
@@ -68,9 +69,7 @@ def _budget_ms(settings: Settings) -> float:
     return budget
 
 
-def _parse_body(settings: Settings):  # noqa: ANN202 - returns CompletionRequest
-    from api.schemas import CompletionRequest
-
+def _parse_body(settings: Settings) -> CompletionRequest:
     body = request.get_json(force=True, silent=True)  # whatever the Content-Type says
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
@@ -95,7 +96,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         print("only --backend fixed --policy static exist so far (the hf engine is the next issue)", file=sys.stderr)
         return 2
     engine = FixedLatencyEngine(settings.max_batch, settings.batch_ms)
-    name = args.name or f"{args.model}-{__import__('os').getpid()}@{socket.gethostname()}"
+    name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"
     run_worker(settings, args.model, engine, name, loglevel=args.loglevel)
     return 0
 
