@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -113,11 +114,17 @@ class Gateway:
         self.waiters: dict[str, Waiter] = {}
         self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
-        self.is_admitting = True
+        # Set by the server: False once this process was told to stop (it then
+        # finishes what it holds but admits nothing new, and /readyz says so).
+        self.is_serving: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         self._started = False
         self._admit = client.register_script(ADMIT_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
+
+    @property
+    def is_admitting(self) -> bool:
+        return self.is_serving()
 
     def start(self) -> None:
         """Start the listener and the fleet view (once, in the serving process)."""

@@ -32,6 +32,7 @@ class GatewayServer(BaseApplication):  # type: ignore[misc]
             "errorlog": "-",
             "loglevel": "warning",
             "proc_name": "keybatch-api",
+            "post_worker_init": _stop_admitting_with_worker,
         }
         for key, value in options.items():
             self.cfg.set(key, value)
@@ -40,6 +41,11 @@ class GatewayServer(BaseApplication):  # type: ignore[misc]
         from api import create_app
 
         return create_app(self.settings)
+
+
+def _stop_admitting_with_worker(worker: Any) -> None:
+    """A worker told to stop (SIGTERM) finishes its requests but admits no new ones."""
+    worker.wsgi.extensions["keybatch"].is_serving = lambda: worker.alive
 
 
 def serve(settings: Settings) -> None:

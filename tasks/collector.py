@@ -2,8 +2,11 @@
 
 A replica holds a buffer of waiting requests. When the replica is free it starts a
 batch as soon as the buffer is full (`max_batch`) or the launch time has come:
-the oldest request's arrival plus `max_wait_ms`, pulled earlier by the tightest
-deadline in the buffer (a request must start by its deadline minus one batch).
+the oldest request's arrival in the buffer plus `max_wait_ms`, pulled earlier by
+the tightest deadline in the buffer (a request must start by its deadline minus
+one batch). Arrival in the buffer, not at the gateway: when requests reach the
+replica late (a burst, a slow consumer) it still gathers the ones right behind
+instead of launching each alone, and the deadline term bounds the wait.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
 """
@@ -24,7 +27,12 @@ class Pending:
     tier: Tier
     received_ms: float  # when the gateway admitted it
     deadline_ms: float  # when its client stops waiting
-    payload: Any = None  # the job and whatever the glue needs to ack it
+    payload: Any = None  # the job, for the glue
+    arrived_ms: float = -1.0  # when it reached this replica's buffer (default: received_ms)
+
+    def __post_init__(self) -> None:
+        if self.arrived_ms < 0:
+            self.arrived_ms = self.received_ms
 
     def rank(self, paid_boost_ms: float) -> float:
         return self.received_ms - (paid_boost_ms if self.tier == "paid" else 0.0)
@@ -71,7 +79,7 @@ class Collector:
         if not self.waiting:
             return None
         c = self.config
-        oldest = min(p.received_ms for p in self.waiting)
+        oldest = min(p.arrived_ms for p in self.waiting)
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms
         return min(oldest + c.max_wait_ms, tightest)
 

@@ -177,7 +177,7 @@ class Replica:
 
     def submit(self, job: p.Job) -> None:
         """Buffer one request (called from the consumer's thread)."""
-        pending = Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job))
+        pending = Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
         with self._cond:
             self.collector.add(pending)
             self._cond.notify()
@@ -227,7 +227,8 @@ class Replica:
         dropped: dict[str, list[Pending]] = defaultdict(list)
         with self._cond:
             for job in late_paid:
-                self.collector.add(Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job)))
+                now = self.clock.now_ms()
+                self.collector.add(Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), now))
             for pending in self.collector.remove(set(reasons)):
                 dropped[reasons[pending.id]].append(pending)
             dropped["expired"].extend(self.collector.pop_expired(self.clock.now_ms()))

@@ -50,10 +50,16 @@ def _serve_then_stop(up: subprocess.Popen[str], port: int) -> None:
         futures = [
             pool.submit(requests.post, url, json={"model": MODEL, "prompt": f"x{i}"}, timeout=30) for i in range(30)
         ]
-        time.sleep(0.1)
+        kept = requests.Session()  # a kept-alive connection, opened before the stop
+        assert kept.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        time.sleep(0.2)  # all admitted (they take ~ms), none finished (a batch takes 250 ms)
         up.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        late = kept.post(url, json={"model": MODEL, "prompt": "late"}, timeout=30)
         codes = [f.result().status_code for f in futures]
     assert codes == [200] * 30
+    assert late.status_code == 503
+    assert late.json()["error"]["code"] == "shutting_down"
     stopping = time.monotonic()
     assert up.wait(60) == 0
     assert time.monotonic() - stopping < 15
