@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from control.loadgen import LoadSpec, run_spec, summarize
 from tests.conftest import FREE_KEY, MODEL, PAID_KEY, deployment
@@ -20,3 +21,16 @@ def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:
     assert paid["p99_ms"] <= 600
     assert free["status_429"] > 0.25 * free["sent"]
     assert free["p99_429_ms"] < 200
+
+
+def test_a_full_queue_answers_429_with_retry_after_at_once() -> None:
+    with deployment(max_queue_free="1") as kb:
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: kb.post({"model": MODEL, "prompt": f"q{i}"}), range(6)))
+    refused = [a for a in answers if a.status_code == 429]
+    assert refused, [a.status_code for a in answers]
+    assert all(a.status_code in (200, 429) for a in answers)
+    for a in refused:
+        assert int(a.headers["Retry-After"]) >= 1
+        assert a.json()["error"]["code"] == "overloaded"
+        assert a.elapsed.total_seconds() < 0.2

@@ -149,6 +149,11 @@ def test_openai_client_library(kb: Deployment) -> None:
     assert done.choices[0].text
     assert done.object == "text_completion"
     chunks = list(client.completions.create(model=MODEL, prompt="import os\n", max_tokens=5, stream=True))
+    raw = requests.post(
+        f"{kb.url}/v1/completions", json={"model": MODEL, "prompt": "import os\n", "max_tokens": 5, "stream": True}
+    )
+    assert raw.headers["Content-Type"].startswith("text/event-stream")
+    assert raw.text.rstrip().endswith("data: [DONE]")
     assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
     try:
         client.completions.create(model="no-such-model", prompt="x")
