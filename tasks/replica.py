@@ -320,9 +320,11 @@ class Replica:
         self.wake()
         self.events.failed(batch, message)
 
-    def _mark_idle(self, pipe: redis.client.Pipeline) -> None:
+    def _mark_idle(self, pipe: redis.client.Pipeline, refresh_only: bool = False) -> None:
+        """Tell peers this replica is idle; a heartbeat only refreshes an entry (XX), so
+        one racing a batch start cannot put back what `_settle` took out."""
         stale_at = self.clock.now_ms() + self.ttl_s * 1000
-        pipe.zadd(p.idle_key(self.model), {self.name: stale_at})
+        pipe.zadd(p.idle_key(self.model), {self.name: stale_at}, xx=refresh_only)
 
     def _reply(self, pipe: redis.client.Pipeline, items: list, jobs: list[p.Job]) -> None:
         """Queue one reply message per gateway onto `pipe`; forget the owners."""
@@ -397,7 +399,7 @@ class Replica:
         pipe.pexpire(key, int(self.ttl_s * 1000))
         pipe.sadd(p.REPLICAS_KEY, self.name)
         if not self.busy and self.state == "ready":
-            self._mark_idle(pipe)
+            self._mark_idle(pipe, refresh_only=self._loop.is_alive())
         pipe.execute()
 
 
