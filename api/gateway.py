@@ -157,15 +157,19 @@ class Gateway:
             with self._lock:
                 if job.id in self.waiters:
                     raise _in_flight(job.id)
-                self.waiters[job.id] = waiter
-            verdict, position = self._enqueue(job, session_id, deepest, tenant)
+                self.waiters[job.id] = waiter  # before the enqueue: a reply may come at once
+            verdict = Verdict.OVERLOADED  # until the enqueue says otherwise (or raises)
+            try:
+                verdict, position = self._enqueue(job, session_id, deepest, tenant)
+            finally:
+                if verdict != Verdict.ADMIT:
+                    with self._lock:
+                        self.waiters.pop(job.id, None)
             if verdict == Verdict.ADMIT:
                 if job.tier == "paid":
                     self._paid_rate[job.model].add(now)
                 self.metrics.inflight.inc()
                 return waiter
-            with self._lock:
-                self.waiters.pop(job.id, None)
         self.metrics.rejected.labels(job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position)
 
@@ -174,7 +178,7 @@ class Gateway:
         paid, free, at_ms = self._depth.get(job.model, (0, 0, 0.0))
         if self.clock.now_ms() - at_ms > FRESH_DEPTH_MS:
             return 0
-        return paid + 1 + (free if job.tier == "free" else 0)
+        return admission.position(job.tier, paid, free)
 
     def _enqueue(self, job: p.Job, session_id: str | None, deepest: int, tenant: str) -> tuple[Verdict, int]:
         """One round trip admits the request and enqueues its Celery task, or neither."""
@@ -193,16 +197,12 @@ class Gateway:
         try:
             status, paid, free = self._admit(keys=keys, args=args)
         except redis.RedisError as exc:
-            status, paid, free, error = None, 0, 0, _broker_down(exc)
+            raise _broker_down(exc) from exc
         self._depth[job.model] = (paid, free, self.clock.now_ms())
-        position = paid + 1 + (free if job.tier == "free" else 0)
-        if status in (None, 0):
-            with self._lock:
-                self.waiters.pop(job.id, None)
-            raise error if status is None else _in_flight(job.id)
-        if status == -1:
-            return Verdict.OVERLOADED, position
-        return Verdict.ADMIT, position
+        if status == 0:
+            raise _in_flight(job.id)
+        verdict = Verdict.OVERLOADED if status == -1 else Verdict.ADMIT
+        return verdict, admission.position(job.tier, paid, free)
 
     # -- waiting, cancel, give up ----------------------------------------------------
 
@@ -211,10 +211,11 @@ class Gateway:
         timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
         try:
             if not waiter.event.wait(timeout_s):
-                try:
+                waiter.resolve(p.Dropped(id=waiter.job.id, reason="expired", replica=""))
+                try:  # so that a replica which has not started it drops it
                     self.cancel(waiter.job.id, "expired")
-                except ApiError:  # the broker is away: the answer is a 504 all the same
-                    waiter.resolve(p.Dropped(id=waiter.job.id, reason="expired", replica=""))
+                except ApiError:
+                    pass  # the broker is away; the answer is a 504 all the same
         finally:
             with self._lock:
                 self.waiters.pop(waiter.job.id, None)
@@ -226,9 +227,6 @@ class Gateway:
             found = bool(self._cancel(args=[request_id, reason, tenant]))
         except redis.RedisError as exc:
             raise _broker_down(exc) from exc
-        waiter = self.waiters.get(request_id)
-        if waiter is not None and reason == "expired":
-            waiter.resolve(p.Dropped(id=request_id, reason="expired", replica=""))
         return found
 
     # -- replies ---------------------------------------------------------------------

@@ -51,6 +51,11 @@ class Verdict(IntEnum):
     NO_REPLICA = 3  # 503
 
 
+def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
+    """1-based queue position of a new request: paid waits behind paid, free behind all."""
+    return paid_waiting + 1 + (free_waiting if tier == "free" else 0)
+
+
 def predict_ms(position: int, capacity: Capacity) -> float:
     """Expected finish of the request at 1-based `position` in the queue.
 

@@ -177,10 +177,13 @@ class Replica:
 
     def submit(self, job: p.Job) -> None:
         """Buffer one request (called from the consumer's thread)."""
-        pending = Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
+        pending = self._pending(job)
         with self._cond:
             self.collector.add(pending)
             self._cond.notify()
+
+    def _pending(self, job: p.Job) -> Pending:
+        return Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
 
     # -- the loop: wait, take, run, answer -------------------------------------
 
@@ -227,15 +230,15 @@ class Replica:
         dropped: dict[str, list[Pending]] = defaultdict(list)
         with self._cond:
             for job in late_paid:
-                now = self.clock.now_ms()
-                self.collector.add(Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), now))
+                self.collector.add(self._pending(job))
             for pending in self.collector.remove(set(reasons)):
                 dropped[reasons[pending.id]].append(pending)
-            dropped["expired"].extend(self.collector.pop_expired(self.clock.now_ms()))
-            due = self.collector.wait_ms(self.clock.now_ms()) == 0 or self._stopping
+            now = self.clock.now_ms()
+            dropped["expired"].extend(self.collector.pop_expired(now))
+            due = self.collector.wait_ms(now) == 0 or self._stopping
             batch = self.collector.pop_batch() if due else []
             if batch:
-                self._ends_at_ms = self.clock.now_ms() + self.engine.expected_batch_ms()
+                self._ends_at_ms = now + self.engine.expected_batch_ms()
                 self._pull_at_ms = self._ends_at_ms - self.pull_lead_ms
                 self.busy = True
         return batch, {reason: group for reason, group in dropped.items() if group}
