@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import openai
 import redis
@@ -21,6 +20,24 @@ def _busy_replicas(kb: Deployment, n: int = 2) -> list:
     futures = [pool.submit(kb.post, {"model": MODEL, "prompt": f"busy {i}"}) for i in range(n)]
     time.sleep(0.08)
     return futures
+
+
+def _queued_behind_busy_replicas(kb: Deployment, **headers: str) -> tuple[Future, list[Future]]:
+    """A request that has to wait in the queue, and the batches it waits behind."""
+    busy = _busy_replicas(kb)
+    queued = ThreadPoolExecutor(1).submit(kb.post, **headers)
+    time.sleep(0.03)
+    return queued, busy
+
+
+def _dropped_count_becomes(kb: Deployment, reason: str, want: float, timeout_s: float = 2.0) -> float:
+    """The replica reports a drop when it next forms a batch: poll /metrics until then."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := kb.metric("keybatch_dropped_before_batch_total", reason=reason)) != want:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return seen
 
 
 def test_every_request_gets_exactly_one_answer(kb: Deployment) -> None:
@@ -49,42 +66,31 @@ def test_request_id_is_echoed(kb: Deployment) -> None:
 
 def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
     before = kb.metric("keybatch_dropped_before_batch_total", reason="cancelled")
-    busy = _busy_replicas(kb)
-    result: dict[str, requests.Response] = {}
-    waiting = threading.Thread(target=lambda: result.setdefault("r", kb.post(**{"X-Request-Id": "to-cancel"})))
-    waiting.start()
-    time.sleep(0.03)
+    queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "to-cancel"})
     stranger = {"Authorization": f"Bearer {PAID_KEY}"}  # another tenant cannot cancel it
     assert requests.delete(f"{kb.url}/v1/completions/to-cancel", headers=stranger).status_code == 404
     cancel = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
     assert cancel.status_code == 200
     state = redis.Redis.from_url(kb.system.redis_url)
     assert state.zscore(f"kb:waiting:{MODEL}:free", "to-cancel") is None  # no longer counted as queued
-    waiting.join(5)
-    assert result["r"].status_code == 409
-    assert result["r"].json()["error"]["code"] == "cancelled"
+    answer = queued.result(5)
+    assert answer.status_code == 409
+    assert answer.json()["error"]["code"] == "cancelled"
     [f.result() for f in busy]
-    time.sleep(0.6)  # the replica drops it when it next forms a batch
-    assert kb.metric("keybatch_dropped_before_batch_total", reason="cancelled") == before + 1
+    assert _dropped_count_becomes(kb, "cancelled", before + 1) == before + 1
     again = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
     assert again.status_code == 404
 
 
 def test_a_newer_request_in_the_session_supersedes_the_older(kb: Deployment) -> None:
     before = kb.metric("keybatch_dropped_before_batch_total", reason="superseded")
-    busy = _busy_replicas(kb)
-    result: dict[str, requests.Response] = {}
-    first = threading.Thread(target=lambda: result.setdefault("old", kb.post(**{"X-Session-Id": "s1"})))
-    first.start()
-    time.sleep(0.03)
+    older, busy = _queued_behind_busy_replicas(kb, **{"X-Session-Id": "s1"})
     newer = kb.post(**{"X-Session-Id": "s1"})
-    first.join(5)
-    assert result["old"].status_code == 409
-    assert result["old"].json()["error"]["code"] == "superseded"
+    assert older.result(5).status_code == 409
+    assert older.result().json()["error"]["code"] == "superseded"
     assert newer.status_code == 200
     [f.result() for f in busy]
-    time.sleep(0.3)
-    assert kb.metric("keybatch_dropped_before_batch_total", reason="superseded") == before + 1
+    assert _dropped_count_becomes(kb, "superseded", before + 1) == before + 1
 
 
 def test_a_duplicate_id_in_flight_is_refused(kb: Deployment) -> None:
