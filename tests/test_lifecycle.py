@@ -46,6 +46,8 @@ def _serve_then_stop(up: subprocess.Popen[str], port: int) -> None:
         if "valkey" in (p.info["name"] or "") and p.info["create_time"] >= started
     ]
     url = f"http://127.0.0.1:{port}/v1/completions"
+    for _ in range(2):  # readiness is not warmth: one request per replica first (as conftest does)
+        requests.post(url, json={"model": MODEL, "prompt": "warm"}, timeout=30)
     with ThreadPoolExecutor(30) as pool:
         futures = [
             pool.submit(requests.post, url, json={"model": MODEL, "prompt": f"x{i}"}, timeout=30) for i in range(30)
