@@ -17,6 +17,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     settings = settings or Settings()
     app = Flask(__name__)
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # answers keep the order OpenAI's do
     # Room for the largest prompt plus JSON quoting; larger bodies answer 413.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_prompt_chars * 6 + 65_536
     # A bounded pool: under a burst, requests wait for a connection instead of failing.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import secrets
 import time
-import uuid
 from collections.abc import Iterator
 
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
@@ -93,7 +93,7 @@ def create_completion() -> Response:
     settings = gw.settings
     received = gw.clock.now_ms()
     tier, tenant = caller(settings)
-    request_id = _header_id("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
+    request_id = _header_id("X-Request-Id") or f"cmpl-{secrets.token_hex(16)}"
     session_id = _header_id("X-Session-Id")
     budget = _budget_ms(settings)
     req = _parse_body(settings)

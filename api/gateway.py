@@ -27,7 +27,7 @@ from control.admission import Capacity, Limits, Verdict
 from control.clock import Clock
 from control.fleet import FleetView
 from control.settings import Settings
-from tasks.app import task_message
+from tasks.app import TaskMessages
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Gateway:
         self._lock = threading.Lock()
         self._started = False
         self._admit = client.register_script(ADMIT_LUA)
+        self._task_message = TaskMessages(celery)
         self._cancel = client.register_script(CANCEL_LUA)
 
     @property
@@ -191,7 +192,7 @@ class Gateway:
         if session_id:
             keys.append(p.session_key(f"{tenant}:{session_id}"))
         ttl = int(job.deadline_ms - job.received_ms) + 5_000
-        message = task_message(self.celery, job)
+        message = self._task_message(job)
         owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}"
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
         try:
