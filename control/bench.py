@@ -8,14 +8,13 @@ issue asks to see, each next to its target.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from control.loadgen import LoadSpec, print_summary, run_spec, summarize
+from control.loadgen import LoadSpec, generate, print_summary, summarize
 from control.settings import Settings
 from control.up import Plan, System
 
@@ -67,12 +66,12 @@ def _deployment(workers: int, max_batch: int | None) -> Iterator[tuple[str, str,
 
 
 def _warm(url: str, model: str) -> None:
-    asyncio.run(run_spec(LoadSpec(url, 50, 2.0, model, free_key=FREE_KEY), show_progress=False))
+    generate(LoadSpec(url, 50, 2.0, model, free_key=FREE_KEY), show_progress=False)
 
 
 def _low(url: str, model: str, capacity: float, s: Settings, args: argparse.Namespace) -> dict:
     spec = LoadSpec(url, 5.0, 20.0, model, free_key=FREE_KEY)
-    summary = summarize(asyncio.run(run_spec(spec)))
+    summary = summarize(generate(spec))
     print_summary("low load: 5 req/s for 20 s", summary)
     target = s.batch_ms + s.max_wait_ms + 15
     print(f"  p50 {summary['all']['p50_ms']:.1f} ms (target <= {target:.0f} = batch + max_wait + 15)\n")
@@ -82,7 +81,7 @@ def _low(url: str, model: str, capacity: float, s: Settings, args: argparse.Name
 def _load90(url: str, model: str, capacity: float, s: Settings, args: argparse.Namespace) -> dict:
     rps = 0.9 * capacity
     spec = LoadSpec(url, rps, args.duration, model, free_key=FREE_KEY)
-    summary = summarize(asyncio.run(run_spec(spec)))
+    summary = summarize(generate(spec))
     print_summary(f"90% load: {rps:.0f} req/s Poisson for {args.duration:.0f} s", summary)
     a = summary["all"]
     expected = min(s.max_batch, rps * s.batch_ms / 1000.0 / args.workers)
@@ -111,7 +110,7 @@ def _overload(url: str, model: str, capacity: float, s: Settings, args: argparse
     rps = 2.0 * capacity
     duration = min(30.0, args.duration)
     spec = LoadSpec(url, rps, duration, model, paid_share=0.3, paid_key=PAID_KEY, free_key=FREE_KEY)
-    records = asyncio.run(run_spec(spec))
+    records = generate(spec)
     summary = summarize(records)
     print_summary(f"2x capacity: {rps:.0f} req/s, 30% paid, for {duration:.0f} s", summary)
     paid, free, a = summary["paid"], summary["free"], summary["all"]

@@ -64,6 +64,7 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(1.0, gt=0)
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: bool = Field(True, description="send Celery task events (Flower)")
+    event_flush_ms: float = Field(100.0, gt=0, description="task events are published at most this often")
 
     @field_validator("redis_url", "broker_url")
     @classmethod

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from control.loadgen import LoadSpec, run_spec, summarize
+from control.loadgen import LoadSpec, generate, summarize
 from tests.conftest import FREE_KEY, MODEL, PAID_KEY, deployment
 
 
@@ -13,7 +12,7 @@ def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:
     # 2 replicas x 16 per 250 ms = 128 req/s; offer 256 req/s, 30% paid.
     with deployment(max_batch="16") as kb:
         spec = LoadSpec(kb.url, 256.0, 6.0, MODEL, paid_share=0.3, paid_key=PAID_KEY, free_key=FREE_KEY, seed=7)
-        records = asyncio.run(run_spec(spec, show_progress=False))
+        records = generate(spec, show_progress=False)
     summary = summarize(records)
     paid, free = summary["paid"], summary["free"]
     assert summary["all"]["no_answer"] == 0  # every request got exactly one answer
