@@ -129,12 +129,12 @@ class Gateway:
 
     def start(self) -> None:
         """Start the listener and the fleet view (once, in the serving process)."""
-        with self._lock:
+        with self._lock:  # held through the first registry read: no request sees an empty fleet
             if self._started:
                 return
+            self.fleet.start()
+            threading.Thread(target=self._listen, name="reply-listener", daemon=True).start()
             self._started = True
-        self.fleet.start()
-        threading.Thread(target=self._listen, name="reply-listener", daemon=True).start()
 
     # -- submit ----------------------------------------------------------------
 
@@ -148,7 +148,9 @@ class Gateway:
         verdict, position = admission.check(budget, capacity, self.limits), 0
         if verdict == Verdict.ADMIT:
             now = self.clock.now_ms()
-            paid_rate = self._paid_rate.setdefault(job.model, admission.RateMeter()).rate(now)
+            # Each process sees its share of the paid traffic (connections spread evenly).
+            meter = self._paid_rate.setdefault(job.model, admission.RateMeter())
+            paid_rate = meter.rate(now) * self.settings.api_processes
             deepest = admission.max_position(job.tier, budget, capacity, self.limits, paid_rate)
             position = self._recent_position(job)
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip

@@ -1,10 +1,15 @@
-"""Prometheus metrics of one gateway process (its own registry)."""
+"""Prometheus metrics of the gateway.
+
+One process: its own registry. Several (gunicorn workers): each writes its values
+to prometheus-client's multiprocess files, and /metrics sums them.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -66,8 +71,15 @@ class Metrics:
             "Results that came back for a client that had already gone (wasted model work)",
             registry=r,
         )
-        self.inflight = Gauge("keybatch_inflight", "Requests waiting in this gateway", registry=r)
-        r.register(_FleetCollector(fleet))
+        self.inflight = Gauge(
+            "keybatch_inflight", "Requests waiting in the gateway", registry=r, multiprocess_mode="livesum"
+        )
+        # What /metrics shows: this registry, or the sum of every process's files.
+        self.exposition = r
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.exposition = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposition)
+        self.exposition.register(_FleetCollector(fleet))
 
 
 class _FleetCollector(Collector):

@@ -54,4 +54,4 @@ def readyz() -> Response:
 @bp.get("/metrics")
 def metrics() -> Response:
     """Prometheus text."""
-    return Response(generate_latest(gateway().metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(gateway().metrics.exposition), mimetype=CONTENT_TYPE_LATEST)

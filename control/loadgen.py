@@ -14,9 +14,10 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-import aiohttp
 import uvloop
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from control.httpclient import Client
 
 
 @dataclass
@@ -70,7 +71,7 @@ _PROMPTS = [
 ]
 
 
-async def _one(session: aiohttp.ClientSession, spec: LoadSpec, sent_s: float, tier: str, i: int) -> Record:
+async def _one(client: Client, spec: LoadSpec, sent_s: float, tier: str, i: int) -> Record:
     headers = {"Content-Type": "application/json"}
     key = spec.paid_key if tier == "paid" else spec.free_key
     if key:
@@ -78,25 +79,23 @@ async def _one(session: aiohttp.ClientSession, spec: LoadSpec, sent_s: float, ti
     if spec.deadline_ms:
         headers["X-Deadline-Ms"] = str(spec.deadline_ms)
     body = {"model": spec.model, "prompt": _PROMPTS[i % len(_PROMPTS)] + f"# {i}\n", "max_tokens": spec.max_tokens}
+    timeout_s = (spec.deadline_ms or 60_000) / 1000 + 30
     start = time.perf_counter()
     try:
-        async with session.post(f"{spec.url}/v1/completions", data=json.dumps(body), headers=headers) as resp:
-            payload = await resp.read()
-            latency = (time.perf_counter() - start) * 1000
-            rec = Record(sent_s, tier, resp.status, latency)
-            if resp.status == 200:
-                kb = json.loads(payload)["keybatch"]
-                rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
-                rec.server_ms = kb["total_ms"]
-            return rec
-    except (TimeoutError, aiohttp.ClientError) as exc:
+        answer = await client.post("/v1/completions", json.dumps(body).encode(), headers, timeout_s)
+    except (TimeoutError, OSError) as exc:  # ConnectionError is an OSError
         return Record(sent_s, tier, 0, (time.perf_counter() - start) * 1000, error=type(exc).__name__)
+    rec = Record(sent_s, tier, answer.status, (answer.done_s - start) * 1000)
+    if answer.status == 200:
+        kb = json.loads(answer.body)["keybatch"]
+        rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
+        rec.server_ms = kb["total_ms"]
+    return rec
 
 
 async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
     rng = random.Random(spec.seed)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=(spec.deadline_ms or 60_000) / 1000 + 30)
+    client = Client(spec.url)
     tasks: list[asyncio.Task[Record]] = []
     progress = Progress(
         TextColumn("{task.description}"),
@@ -106,7 +105,7 @@ async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
         disable=not show_progress,
         transient=True,
     )
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    try:
         with progress:
             bar = progress.add_task(f"{spec.rps:.0f} req/s", total=spec.duration_s)
             t0 = time.perf_counter()
@@ -116,11 +115,14 @@ async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tier = "paid" if rng.random() < spec.paid_share else "free"
-                tasks.append(asyncio.create_task(_one(session, spec, next_s, tier, i)))
+                tasks.append(asyncio.create_task(_one(client, spec, next_s, tier, i)))
                 i += 1
                 next_s += rng.expovariate(spec.rps)
-                progress.update(bar, completed=min(spec.duration_s, time.perf_counter() - t0))
+                if i % 64 == 0:
+                    progress.update(bar, completed=min(spec.duration_s, time.perf_counter() - t0))
             return list(await asyncio.gather(*tasks))
+    finally:
+        client.close()
 
 
 def generate(spec: LoadSpec, show_progress: bool = True) -> list[Record]:

@@ -63,6 +63,11 @@ def idle_key(model: str) -> str:
     return f"{PREFIX}:idle:{model}"
 
 
+def launch_key(model: str) -> str:
+    """Sorted set of the model's replicas, scored by when each last started a batch."""
+    return f"{PREFIX}:launch:{model}"
+
+
 def replica_key(name: str) -> str:
     return f"{PREFIX}:replica:{name}"
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
@@ -46,6 +49,9 @@ def _worker_class() -> type:
     return Worker
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 class GatewayServer(BaseApplication):  # type: ignore[misc]
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -70,6 +76,7 @@ class GatewayServer(BaseApplication):  # type: ignore[misc]
             "loglevel": "warning",
             "proc_name": "keybatch-api",
             "post_worker_init": _init_worker,
+            "child_exit": _forget_worker_metrics,
         }
         for key, value in options.items():
             self.cfg.set(key, value)
@@ -82,7 +89,9 @@ class GatewayServer(BaseApplication):  # type: ignore[misc]
 
 def _init_worker(worker: Any) -> None:
     # A worker told to stop (SIGTERM) finishes its requests but admits no new ones.
-    worker.wsgi.extensions["keybatch"].is_serving = lambda: worker.alive
+    gateway = worker.wsgi.extensions["keybatch"]
+    gateway.is_serving = lambda: worker.alive
+    gateway.start()  # the registry is read before the first request, not by it
     _unpatched_pool_checks()
 
 
@@ -110,5 +119,23 @@ def _unpatched_pool_checks() -> None:
     hiredis.select = original  # type: ignore[attr-defined]
 
 
+def _forget_worker_metrics(_server: Any, worker: Any) -> None:
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
 def serve(settings: Settings) -> None:
-    GatewayServer(settings).run()
+    """Run the gateway in the foreground; with several processes, /metrics sums them
+    through prometheus-client's multiprocess mode (a private directory of value files)."""
+    own_dir = None
+    if settings.api_processes > 1 and not os.environ.get(MULTIPROC_ENV):
+        # Before any worker imports prometheus_client: the mode is chosen at import.
+        own_dir = tempfile.mkdtemp(prefix="keybatch-metrics-")
+        os.environ[MULTIPROC_ENV] = own_dir
+    try:
+        GatewayServer(settings).run()
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)

@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     api_worker_class: Literal["gevent", "gthread"] = "gevent"
-    api_processes: int = Field(1, ge=1, description="gateway worker processes")
+    api_processes: int = Field(2, ge=1, description="gateway worker processes (one per core)")
     api_threads: int = Field(256, ge=1, description="threads per process (gthread only)")
     api_keys: dict[str, Tier] = Field(default_factory=dict, description="API key -> tier")
     allow_anonymous: bool = True

@@ -9,6 +9,13 @@ replica late (a burst, a slow consumer) it still gathers the ones right behind
 instead of launching each alone, and the deadline term bounds the wait.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
+
+Under heavy load replicas of a model that run back-to-back batches lock in phase:
+all of them start together, every T, and each request waits for the next common
+start. `not_before_ms` (set by the replica from its peers' launches, see
+`stagger_from`) holds a batch that is not full until one batch time divided by
+the replicas has passed since the latest launch of a peer, so starts spread out
+to every T/R; the deadline term still bounds it.
 """
 
 from __future__ import annotations
@@ -45,11 +52,12 @@ class CollectorConfig:
     batch_ms: float = 250.0  # expected time of the next batch
     paid_boost_ms: float = 300.0
     margin_ms: float = 15.0  # slack for the trip back to the client
+    stagger_fill: float = 0.5  # stagger starts after a batch at least this full
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
-        if min(self.max_wait_ms, self.batch_ms, self.paid_boost_ms, self.margin_ms) < 0:
+        if min(self.max_wait_ms, self.batch_ms, self.paid_boost_ms, self.margin_ms, self.stagger_fill) < 0:
             raise ValueError("times must not be negative")
 
 
@@ -57,6 +65,7 @@ class CollectorConfig:
 class Collector:
     config: CollectorConfig
     waiting: list[Pending] = field(default_factory=list)
+    not_before_ms: float = 0.0  # a batch that is not full starts no earlier (staggering)
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -81,7 +90,21 @@ class Collector:
         c = self.config
         oldest = min(p.arrived_ms for p in self.waiting)
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms
-        return min(oldest + c.max_wait_ms, tightest)
+        return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
+
+    def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:
+        """Set `not_before_ms` from when the other replicas of the model last started.
+
+        Only under heavy load (the last batch at least `stagger_fill` full): at low
+        load a request should not wait for a phase. Starts spread to every
+        batch time / replicas after the latest peer start.
+        """
+        c = self.config
+        recent = [t for t in peer_launches_ms if now_ms - t < 2 * c.batch_ms]
+        if not recent or last_batch < c.stagger_fill * c.max_batch:
+            self.not_before_ms = 0.0
+            return
+        self.not_before_ms = max(recent) + c.batch_ms / (len(recent) + 1)
 
     def wait_ms(self, now_ms: float) -> float | None:
         """How long a free replica should wait before it starts a batch (0: now)."""

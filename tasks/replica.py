@@ -112,6 +112,7 @@ class Replica:
         self._pull_at_ms = 0.0
         self._ends_at_ms = 0.0
         self._peer_idle = True  # until the first batch says otherwise
+        self._peer_launches: list[float] = []  # when the model's other replicas last started
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self.stats = Stats()
@@ -144,6 +145,7 @@ class Replica:
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(p.replica_key(self.name)).srem(p.REPLICAS_KEY, self.name)
             pipe.zrem(p.idle_key(self.model), self.name)
+            pipe.zrem(p.launch_key(self.model), self.name)
             pipe.execute()
         except redis.RedisError:
             log.warning("could not leave the replica registry")
@@ -152,10 +154,10 @@ class Replica:
         """May the consumer pull another request from the shared queue now?
 
         An idle replica pulls up to two batches. A busy one pulls at most one
-        next batch, so what it cannot run next stays in the queue for whichever
-        replica frees first. While another replica of its model is idle, a busy
-        one leaves the queue to that replica and pulls only `pull_lead_ms`
-        before it expects to be free (low load: idle replicas first). Read
+        next batch, and only while no other replica of its model frees before
+        it: what arrives goes to whichever replica starts next. An idle peer
+        takes everything (low load: idle replicas first). Either way a busy
+        replica pulls from `pull_lead_ms` before it expects to be free. Read
         without the lock: a stale answer costs one message at most.
         """
         if self._stopping:
@@ -165,15 +167,25 @@ class Replica:
             return len(self.collector) < 2 * limit
         if len(self.collector) >= limit:
             return False
-        return not self._peer_idle or self.clock.now_ms() >= self._pull_at_ms
+        now = self.clock.now_ms()
+        if now >= self._pull_at_ms:
+            return True
+        return not self._peer_idle and not self._peers_free_first(now)
+
+    def _peers_free_first(self, now_ms: float) -> list[float]:
+        """When the peers expected to free between now and this replica's end do."""
+        batch_ms = self.engine.expected_batch_ms()
+        ends = (t + batch_ms for t in self._peer_launches)
+        return [end for end in ends if now_ms < end < self._ends_at_ms]
 
     def reopens_at_ms(self) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""
         if not self.busy or self._stopping:
             return None
-        if len(self.collector) < self.collector.config.max_batch:
-            return self._pull_at_ms
-        return self._ends_at_ms
+        if len(self.collector) >= self.collector.config.max_batch:
+            return self._ends_at_ms
+        first = self._peers_free_first(self.clock.now_ms())
+        return min(self._pull_at_ms, max(first)) if first and not self._peer_idle else self._pull_at_ms
 
     def submit(self, job: p.Job) -> None:
         """Buffer one request (called from the consumer's thread)."""
@@ -265,9 +277,12 @@ class Replica:
             now = self.clock.now_ms()
             pipe.zrem(idle, self.name)
             pipe.zcount(idle, now, "+inf")
+            pipe.zadd(p.launch_key(self.model), {self.name: now})
+            pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
         results = pipe.execute()
         if batch:
-            self._peer_idle = results[-1] > 0
+            self._peer_idle = results[-3] > 0
+            self._learn_launches(results[-1], len(batch))
         for reason, group in dropped.items():
             self.stats.dropped[reason] += len(group)
             self.events.revoked(group, reason)
@@ -310,7 +325,8 @@ class Replica:
         pipe = self.redis.pipeline(transaction=False)
         self._reply(pipe, results, jobs)
         self._mark_idle(pipe)
-        pipe.execute()
+        pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
+        self._learn_launches(pipe.execute()[-1], len(jobs))
 
     def _answer_failed(self, batch: list[Pending], message: str) -> None:
         jobs = [held(pending).job for pending in batch]
@@ -322,6 +338,13 @@ class Replica:
         self.busy = False
         self.wake()
         self.events.failed(batch, message)
+
+    def _learn_launches(self, entries: list[tuple[bytes, float]], last_batch: int) -> None:
+        """Note when the peers last started: for the pull gate and the collector's phase."""
+        me = self.name.encode()
+        self._peer_launches = [float(t) for name, t in entries if name != me]
+        with self._cond:
+            self.collector.stagger_from(self._peer_launches, last_batch, self.clock.now_ms())
 
     def _mark_idle(self, pipe: redis.client.Pipeline, refresh_only: bool = False) -> None:
         """Tell peers this replica is idle; a heartbeat only refreshes an entry (XX), so

@@ -71,3 +71,27 @@ def test_cancelled_requests_leave_the_buffer() -> None:
         c.add(make_pending(i))
     assert [p.id for p in c.remove({"r1"})] == ["r1"]
     assert c.ids() == ["r0", "r2"]
+
+
+def test_under_heavy_load_a_batch_waits_for_its_phase_behind_a_peer() -> None:
+    # Two replicas; the peer started at 250, this one frees at 252 with 3 of 4 waiting.
+    c = make_collector()
+    for i in range(3):
+        c.add(make_pending(i, at=100.0, deadline=2000.0))
+    c.stagger_from([250.0], last_batch=4, now_ms=252.0)
+    assert c.wait_ms(252.0) == 250.0 + 125.0 - 252.0  # half a batch time after the peer
+    c.add(make_pending(3, at=260.0))
+    assert c.wait_ms(261.0) == 0.0  # full: it goes at once
+
+
+def test_the_phase_yields_to_the_deadline_and_to_light_load() -> None:
+    c = make_collector(margin_ms=15.0)
+    c.add(make_pending(0, at=100.0, deadline=600.0))  # must start by 700 - 250 - 15 = 435
+    c.stagger_from([300.0], last_batch=4, now_ms=302.0)  # phase says 425
+    assert c.wait_ms(302.0) == 425.0 - 302.0
+    c.stagger_from([400.0], last_batch=4, now_ms=402.0)  # phase says 525: the deadline (435) wins
+    assert c.wait_ms(402.0) == 435.0 - 402.0
+    c.stagger_from([400.0], last_batch=1, now_ms=402.0)  # light load: no phase, max_wait rules
+    assert c.wait_ms(402.0) == 0.0
+    c.stagger_from([0.0], last_batch=4, now_ms=900.0)  # a peer silent for two batch times is ignored
+    assert c.not_before_ms == 0.0
