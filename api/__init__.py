@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import orjson
 import redis
-from flask import Flask
+from flask import Flask, Response
+from flask.json.provider import JSONProvider
 
 from control.clock import SystemClock
 from control.settings import Settings
+
+
+class OrjsonProvider(JSONProvider):
+    """Flask's JSON through orjson: request bodies and every answer (keys in the order
+    written, as OpenAI's are)."""
+
+    def dumps(self, obj: object, **kwargs: object) -> str:
+        return orjson.dumps(obj).decode()
+
+    def loads(self, s: str | bytes, **kwargs: object) -> object:
+        return orjson.loads(s)
+
+    def response(self, *args: object, **kwargs: object) -> Response:
+        obj = self._prepare_response_obj(args, kwargs)
+        return self._app.response_class(orjson.dumps(obj), mimetype="application/json")
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -17,7 +34,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     settings = settings or Settings()
     app = Flask(__name__)
-    app.json.sort_keys = False  # type: ignore[attr-defined]  # answers keep the order OpenAI's do
+    app.json = OrjsonProvider(app)
     # Room for the largest prompt plus JSON quoting; larger bodies answer 413.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_prompt_chars * 6 + 65_536
     # A bounded pool: under a burst, requests wait for a connection instead of failing.

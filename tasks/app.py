@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 
+import orjson
 from celery import Celery
 from kombu import Exchange, Queue
 
@@ -93,7 +94,7 @@ class TaskMessages:
             "headers": headers,
             "properties": properties,
         }
-        return json.dumps(envelope)
+        return orjson.dumps(envelope).decode()
 
 
 def job_from_message(raw: bytes | str) -> p.Job:
