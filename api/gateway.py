@@ -237,12 +237,16 @@ class Gateway:
     def _listen(self) -> None:
         key = p.reply_key(self.id)
         client = self.redis
+        backlog: list[bytes] = []
         while True:
             try:
-                popped = client.blpop([key], timeout=1)
-                if popped is None:
-                    continue
-                raws = [popped[1], *(client.lpop(key, 256) or [])]
+                if not backlog:  # wait for one message; take what queued behind it after delivering it
+                    popped = client.blpop([key], timeout=1)
+                    if popped is None:
+                        continue
+                    raws = [popped[1]]
+                else:
+                    raws, backlog = backlog, []
             except redis.RedisError:
                 log.warning("reply listener lost Redis; retrying")
                 threading.Event().wait(0.2)
@@ -252,6 +256,10 @@ class Gateway:
                     self._deliver(p.Reply.model_validate_json(raw))
                 except Exception:  # one bad message must not stop the listener
                     log.exception("could not deliver a reply message")
+            try:
+                backlog = client.lpop(key, 256) or []
+            except redis.RedisError:
+                backlog = []
 
     def _deliver(self, reply: p.Reply) -> None:
         for item in reply.items:

@@ -12,8 +12,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overload-batch",
         type=int,
-        default=32,
-        help="max_batch for the 2x-capacity scenario (default 32: 2x of 64 would need more than 2 cores of clients)",
+        default=None,
+        help="max_batch for the 2x-capacity scenario (default: KEYBATCH_MAX_BATCH, 64)",
     )
     p.add_argument("--json", default=None, help="write all figures here")
 
