@@ -173,7 +173,7 @@ class Replica:
         return not self._peer_idle and not self._peers_free_first(now)
 
     def _peers_free_first(self, now_ms: float) -> list[float]:
-        """When the peers expected to free between now and this replica's end do."""
+        """The expected ends of the peers' batches that fall between now and this replica's end."""
         batch_ms = self.engine.expected_batch_ms()
         ends = (t + batch_ms for t in self._peer_launches)
         return [end for end in ends if now_ms < end < self._ends_at_ms]
