@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -126,10 +125,12 @@ class System:
 
     def wait(self) -> int:
         """Serve in the foreground until Ctrl-C or SIGTERM; then stop everything."""
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.5):
+        # Taken synchronously, not by a handler: a handler that takes a lock
+        # (Event.set) deadlocked when a second signal landed inside it, as the two
+        # SIGTERMs of `timeout` (child, then group) did. Blocked signals stay pending.
+        stop_signals = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        while signal.sigtimedwait(stop_signals, 0.5) is None:
             dead = [proc for proc in [*self.workers, self.gateway] if proc and proc.poll() is not None]
             if dead:
                 print(f"keybatch: a process exited unexpectedly: {dead[0].args}", file=sys.stderr)

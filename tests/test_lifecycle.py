@@ -56,6 +56,7 @@ def _serve_then_stop(up: subprocess.Popen[str], port: int) -> None:
         assert kept.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
         time.sleep(0.2)  # all admitted (they take ~ms), none finished (a batch takes 250 ms)
         up.send_signal(signal.SIGTERM)
+        up.send_signal(signal.SIGTERM)  # twice, as `timeout` (child, then group) and impatient people do
         time.sleep(0.1)
         late = kept.post(url, json={"model": MODEL, "prompt": "late"}, timeout=30)
         codes = [f.result().status_code for f in futures]
