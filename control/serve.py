@@ -14,11 +14,9 @@ from control.settings import Settings
 KEEPALIVE_S = 5
 
 
-def _handler_class() -> type:
-    """gevent's pywsgi handler, with an idle limit on kept-alive connections and no
-    per-request access-log work when the access log is off (it is)."""
+def _worker_class() -> type:
     import gevent
-    from gunicorn.workers.ggevent import PyWSGIHandler
+    from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler
 
     class Handler(PyWSGIHandler):  # type: ignore[misc]
         def read_requestline(self) -> Any:
@@ -29,13 +27,7 @@ def _handler_class() -> type:
             return None
 
         def log_request(self) -> None:
-            pass
-
-    return Handler
-
-
-def _worker_class() -> type:
-    from gunicorn.workers.ggevent import GeventPyWSGIWorker
+            pass  # the access log is off: skip gunicorn's per-request bookkeeping for it
 
     class Worker(GeventPyWSGIWorker):  # type: ignore[misc]
         """gunicorn's process management; gevent's own WSGI server for the requests.
@@ -44,7 +36,7 @@ def _worker_class() -> type:
         for less CPU than gunicorn's parser (docs/decisions/0003).
         """
 
-        wsgi_handler = _handler_class()
+        wsgi_handler = Handler
 
     return Worker
 

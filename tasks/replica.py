@@ -282,7 +282,7 @@ class Replica:
         results = pipe.execute()
         if batch:
             self._peer_idle = results[-3] > 0
-            self._learn_launches(results[-1], len(batch))
+            self._peer_launches = self._others(results[-1])
         for reason, group in dropped.items():
             self.stats.dropped[reason] += len(group)
             self.events.revoked(group, reason)
@@ -326,7 +326,9 @@ class Replica:
         self._reply(pipe, results, jobs)
         self._mark_idle(pipe)
         pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
-        self._learn_launches(pipe.execute()[-1], len(jobs))
+        self._peer_launches = self._others(pipe.execute()[-1])
+        with self._cond:  # the phase of the next batch, now that this one is done
+            self.collector.stagger_from(self._peer_launches, len(jobs), self.clock.now_ms())
 
     def _answer_failed(self, batch: list[Pending], message: str) -> None:
         jobs = [held(pending).job for pending in batch]
@@ -339,12 +341,10 @@ class Replica:
         self.wake()
         self.events.failed(batch, message)
 
-    def _learn_launches(self, entries: list[tuple[bytes, float]], last_batch: int) -> None:
-        """Note when the peers last started: for the pull gate and the collector's phase."""
+    def _others(self, launches: list[tuple[bytes, float]]) -> list[float]:
+        """When the other replicas of the model last started a batch."""
         me = self.name.encode()
-        self._peer_launches = [float(t) for name, t in entries if name != me]
-        with self._cond:
-            self.collector.stagger_from(self._peer_launches, last_batch, self.clock.now_ms())
+        return [float(t) for name, t in launches if name != me]
 
     def _mark_idle(self, pipe: redis.client.Pipeline, refresh_only: bool = False) -> None:
         """Tell peers this replica is idle; a heartbeat only refreshes an entry (XX), so
