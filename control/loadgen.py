@@ -18,6 +18,7 @@ import uvloop
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from control.httpclient import Client
+from control.memory import collector_paused
 
 
 @dataclass
@@ -128,7 +129,8 @@ async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
 def generate(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
     """Run the load on uvloop: the client shares the cores with what it measures, so
     the cheaper its event loop the less it disturbs the figures."""
-    return uvloop.run(run_spec(spec, show_progress))
+    with collector_paused():
+        return uvloop.run(run_spec(spec, show_progress))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from control.memory import freeze_startup_objects
 from control.settings import Settings
 
 KEEPALIVE_S = 5
@@ -85,6 +86,7 @@ def _init_worker(worker: Any) -> None:
     gateway.is_serving = lambda: worker.alive
     gateway.start()  # the registry is read before the first request, not by it
     _unpatched_pool_checks()
+    freeze_startup_objects()
 
 
 def _unpatched_pool_checks() -> None:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from control import protocol as p
 from control.clock import SystemClock
+from control.memory import freeze_startup_objects
 from control.settings import Settings
 from tasks.collector import CollectorConfig, Pending
 from tasks.engine import Engine
@@ -138,6 +139,7 @@ class ReplicaStep(bootsteps.StartStopStep):
             self.replica.start()
             _gate_consumer(c, self.replica)
             _pace_events(c, s.event_flush_ms / 1000.0)
+            freeze_startup_objects()
             log.info("replica %s serving %s with %s", c.hostname, spec.model, spec.engine.name)
         c.keybatch_replica = self.replica
 
