@@ -97,7 +97,7 @@ def create_completion() -> Response:
     session_id = _header_id("X-Session-Id")
     budget = _budget_ms(settings)
     req = _parse_body(settings)
-    job = p.Job(
+    job = p.Job.model_construct(  # every field checked already, by CompletionRequest or here
         id=request_id,
         model=req.model,
         prompt=req.prompt,

@@ -87,6 +87,47 @@ return {1, paid, free}
 )
 
 
+class DirectScript:
+    """A Lua script called straight on a pooled connection.
+
+    redis-py's command layer (argument filtering, retry wrapper, response
+    callbacks, redis-py 8's operation timing) costs ~70 us per call here, a
+    tenth of the gateway's CPU per request at the admission call alone; this
+    packs, sends and reads on a connection from the same pool. A pooled
+    connection the server has closed fails at the send: it is dropped and the
+    call sent once more on a fresh one. A failure after the send is not retried
+    (the script may have run: admitting twice would refuse the request as a
+    duplicate). A script the server forgot is loaded again.
+    """
+
+    def __init__(self, client: redis.Redis, source: str) -> None:
+        self.script = client.register_script(source)
+        self.pool = client.connection_pool
+
+    def __call__(self, keys: list[str], args: list[object]) -> object:
+        try:
+            return self._call(keys, args)
+        except redis.exceptions.NoScriptError:
+            self.script.sha = self.script.registered_client.script_load(self.script.script)
+            return self._call(keys, args)
+
+    def _call(self, keys: list[str], args: list[object]) -> object:
+        command = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
+        conn = self.pool.get_connection()
+        try:
+            try:
+                conn.send_packed_command(conn.pack_command(*command))
+            except (redis.ConnectionError, redis.TimeoutError):
+                conn.disconnect()  # not sent: once more, on a new connection
+                conn.send_packed_command(conn.pack_command(*command))
+            return conn.read_response()
+        except (redis.ConnectionError, redis.TimeoutError):
+            conn.disconnect()
+            raise
+        finally:
+            self.pool.release(conn)
+
+
 @dataclass
 class Waiter:
     """One request waiting in this process for its reply."""
@@ -119,7 +160,7 @@ class Gateway:
         self.is_serving: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         self._started = False
-        self._admit = client.register_script(ADMIT_LUA)
+        self._admit = DirectScript(client, ADMIT_LUA)
         self._task_message = TaskMessages(celery)
         self._cancel = client.register_script(CANCEL_LUA)
 
@@ -129,6 +170,8 @@ class Gateway:
 
     def start(self) -> None:
         """Start the listener and the fleet view (once, in the serving process)."""
+        if self._started:  # every request asks: no lock once started
+            return
         with self._lock:  # held through the first registry read: no request sees an empty fleet
             if self._started:
                 return
@@ -198,7 +241,7 @@ class Gateway:
         owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}"
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
         try:
-            status, paid, free = self._admit(keys=keys, args=args)
+            status, paid, free = self._admit(keys, args)  # type: ignore[misc]
         except redis.RedisError as exc:
             raise _broker_down(exc) from exc
         self._depth[job.model] = (paid, free, self.clock.now_ms())

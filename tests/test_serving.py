@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -130,6 +131,43 @@ def test_what_ordinary_clients_send_is_accepted(kb: Deployment) -> None:
     raw = requests.post(f"{kb.url}/v1/completions", data='{"model": "kb-small", "prompt": "x"}')  # form content type
     assert raw.status_code == 200
     assert kb.post({"model": MODEL, "prompt": ["a", "b"]}).status_code == 400
+
+
+def _raw(kb: Deployment, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written byte for byte; the status and body of the answer."""
+    host, port = kb.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return int(answer.split(b" ", 2)[1]), answer.split(b"\r\n\r\n", 1)[1]
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_the_header_block_is_read_strictly(kb: Deployment) -> None:
+    body = b'{"model": "kb-small", "prompt": "x = 1"}'
+    start = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % len(body)
+    status, answer = _raw(kb, start + b"Content-Type: application/json\r\nX-Request-Id: raw-1\r\n\r\n", body)
+    assert status == 200 and b"raw-1" in answer
+    # A folded line continues the field before it (joined with a space).
+    status, _ = _raw(kb, start + b"Authorization: Bearer\r\n " + FREE_KEY.encode() + b"\r\n\r\n", body)
+    assert status == 200
+    for bad in (b"No colon here\r\n", b"Name : space before the colon\r\n", b"X: " + b"a" * 70_000 + b"\r\n"):
+        status, _ = _raw(kb, start + bad + b"\r\n", body)
+        assert status == 400, bad[:40]
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(101))
+    assert _raw(kb, start + many + b"\r\n", body)[0] == 400
 
 
 def test_a_header_cannot_raise_the_tier(kb: Deployment) -> None:
