@@ -122,4 +122,20 @@ def _overload(url: str, model: str, capacity: float, s: Settings, args: argparse
     return summary
 
 
-SCENARIOS = {"low": _low, "load90": _load90, "overload": _overload}
+def _curve(url: str, model: str, capacity: float, s: Settings, args: argparse.Namespace) -> dict:
+    """The system's own time against load: it grows with the answers each batch end
+    releases at once (the gateway answers them one after another), not with the rate."""
+    points = {}
+    for share in (0.2, 0.5, 0.7, 0.9):
+        spec = LoadSpec(url, share * capacity, 15.0, model, free_key=FREE_KEY)
+        a = summarize(generate(spec, show_progress=False))["all"]
+        points[f"{share:.0%}"] = a
+        print(
+            f"  {share:4.0%} load ({share * capacity:3.0f} req/s): mean batch {a['mean_batch']:4.1f}; "
+            f"system's own time p50 {a['system_p50_ms']:5.1f} ms, p99 {a['system_p99_ms']:5.1f} ms; "
+            f"inside the gateway p50 {a['gateway_p50_ms']:5.1f} ms"
+        )
+    return points
+
+
+SCENARIOS = {"low": _low, "load90": _load90, "overload": _overload, "curve": _curve}

@@ -8,7 +8,11 @@ import argparse
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the 90%% load run")
-    p.add_argument("--scenarios", default="low,load90,overload", help="comma-separated: low,load90,overload")
+    p.add_argument(
+        "--scenarios",
+        default="low,load90,overload",
+        help="comma-separated: low,load90,overload,curve (curve: system time at 20-90%% load, not run by default)",
+    )
     p.add_argument(
         "--overload-batch",
         type=int,
