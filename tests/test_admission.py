@@ -39,8 +39,9 @@ def test_retry_after_grows_with_the_excess() -> None:
     assert retry_after_s(64 * 30, 600.0, CAP, LIMITS) == 4  # 27 slots of 125 ms
 
 
-def test_free_leaves_room_for_the_paid_traffic_expected_in_one_batch() -> None:
-    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192 - 25
+def test_free_leaves_room_for_the_paid_traffic_expected_before_its_last_slot_starts() -> None:
+    # 3 slots on 2 replicas: the third starts 2.5 x 125 ms from now; 100 paid/s bring 32 by then.
+    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192 - 32
     assert max_position("paid", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192
 
 
