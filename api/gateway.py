@@ -93,9 +93,10 @@ class DirectScript:
     redis-py's command layer (argument filtering, retry wrapper, response
     callbacks, redis-py 8's operation timing) costs ~70 us per call here, a
     tenth of the gateway's CPU per request at the admission call alone; this
-    packs, sends and reads on a connection from the same pool. A pooled
-    connection the server has closed fails at the send: it is dropped and the
-    call sent once more on a fresh one. A failure after the send is not retried
+    packs, sends and reads on a connection from the same pool. The pool checks a
+    connection before lending it (a server that closed it is noticed there); one
+    that still fails at the send is dropped and the call sent once more on a
+    fresh one. A failure after the send is not retried
     (the script may have run: admitting twice would refuse the request as a
     duplicate). A script the server forgot is loaded again.
     """

@@ -14,6 +14,7 @@ def freeze_startup_objects() -> None:
     Without it a full collection paused a gateway process for 50-70 ms here, about
     once in 20 s at 90% load, and every answer due in that time waited for it.
     """
+    gc.unfreeze()  # called again (a replica restarted after losing its broker): what froze then may be garbage now
     gc.collect()
     gc.freeze()
 

@@ -163,7 +163,13 @@ def test_the_header_block_is_read_strictly(kb: Deployment) -> None:
     # A folded line continues the field before it (joined with a space).
     status, _ = _raw(kb, start + b"Authorization: Bearer\r\n " + FREE_KEY.encode() + b"\r\n\r\n", body)
     assert status == 200
-    for bad in (b"No colon here\r\n", b"Name : space before the colon\r\n", b"X: " + b"a" * 70_000 + b"\r\n"):
+    bad_lines = (
+        b"No colon here\r\n",
+        b"Name : space before the colon\r\n",
+        b"X-Bare: carriage\rreturn\r\n",
+        b"X: " + b"a" * 70_000 + b"\r\n",
+    )
+    for bad in bad_lines:
         status, _ = _raw(kb, start + bad + b"\r\n", body)
         assert status == 400, bad[:40]
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(101))
