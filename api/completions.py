@@ -52,10 +52,6 @@ def caller(settings: Settings) -> tuple[Tier, str]:
     return tier, hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def tier_of(settings: Settings) -> Tier:
-    return caller(settings)[0]
-
-
 def _budget_ms(settings: Settings) -> float:
     raw = request.headers.get("X-Deadline-Ms")
     if raw is None:

@@ -165,10 +165,6 @@ class Gateway:
         self._task_message = TaskMessages(celery)
         self._cancel = client.register_script(CANCEL_LUA)
 
-    @property
-    def is_admitting(self) -> bool:
-        return self.is_serving()
-
     def start(self) -> None:
         """Start the listener and the fleet view (once, in the serving process)."""
         if self._started:  # every request asks: no lock once started
@@ -185,7 +181,7 @@ class Gateway:
     def submit(self, job: p.Job, session_id: str | None, tenant: str = "anonymous") -> Waiter:
         """Admit and enqueue one request; raise ApiError if it cannot be taken."""
         self.start()
-        if not self.is_admitting:
+        if not self.is_serving():
             raise ApiError(503, "the gateway is shutting down", "shutting_down", retry_after_s=1)
         budget = job.deadline_ms - job.received_ms
         capacity = self.fleet.capacity(job.model)

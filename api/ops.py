@@ -8,7 +8,7 @@ import redis
 from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.completions import gateway, tier_of
+from api.completions import caller, gateway
 from api.errors import ApiError
 
 bp = Blueprint("ops", __name__)
@@ -19,7 +19,7 @@ _CREATED = int(time.time())
 def list_models() -> Response:
     """The configured models and how many replicas serve each."""
     gw = gateway()
-    tier_of(gw.settings)
+    caller(gw.settings)  # a key is checked as for completions
     ready = gw.readiness()
     data = [
         {"id": name, "object": "model", "created": _CREATED, "owned_by": "keybatch", "replicas": n}
@@ -45,8 +45,8 @@ def readyz() -> Response:
     gw.fleet.refresh()
     counts = gw.readiness()
     missing = sorted(m for m, n in counts.items() if n == 0)
-    if missing or not gw.is_admitting:
-        why = "shutting down" if not gw.is_admitting else f"no replica for {', '.join(missing)}"
+    if missing or not gw.is_serving():
+        why = "shutting down" if not gw.is_serving() else f"no replica for {', '.join(missing)}"
         raise ApiError(503, f"not ready: {why}", "not_ready", retry_after_s=1)
     return jsonify({"status": "ready", "replicas": counts, "gateway": gw.id})
 

@@ -59,12 +59,16 @@ def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
 def predict_ms(position: int, capacity: Capacity) -> float:
     """Expected finish of the request at 1-based `position` in the queue.
 
-    The request rides in batch slot k = ceil(position / max_batch). With the
-    model's replicas out of phase, a slot starts every batch_ms / replicas,
-    the first half of one such interval from now; then the batch runs.
+    The request rides in batch slot k = ceil(position / max_batch), which
+    starts at `slot_start_ms`; then the batch runs.
     """
-    slot = math.ceil(position / capacity.max_batch)
-    return (slot - 0.5) * capacity.batch_ms / capacity.num_replicas + capacity.batch_ms
+    return slot_start_ms(math.ceil(position / capacity.max_batch), capacity) + capacity.batch_ms
+
+
+def slot_start_ms(slot: int, capacity: Capacity) -> float:
+    """When batch slot `slot` (1-based) starts, from now: with the replicas out of
+    phase one starts every batch_ms / replicas, the first half an interval away."""
+    return (slot - 0.5) * capacity.batch_ms / capacity.num_replicas
 
 
 def max_slots(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
@@ -94,8 +98,7 @@ def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limit
     slots = max_slots(budget_ms, capacity, limits)
     deepest = slots * capacity.max_batch
     if tier == "free":
-        last_start_ms = (slots - 0.5) * capacity.batch_ms / capacity.num_replicas
-        deepest -= math.ceil(paid_rate_rps * last_start_ms / 1000.0)
+        deepest -= math.ceil(paid_rate_rps * slot_start_ms(slots, capacity) / 1000.0)
     return min(deepest, limits.max_queue(tier))
 
 
