@@ -7,7 +7,7 @@ import redis
 from flask import Flask, Response
 from flask.json.provider import JSONProvider
 
-from control.clock import SystemClock
+from control.clock import BrokerClock, SystemClock
 from control.settings import Settings
 
 
@@ -37,10 +37,16 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json = OrjsonProvider(app)
     # Room for the largest prompt plus JSON quoting; larger bodies answer 413.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_prompt_chars * 6 + 65_536
-    # A bounded pool: under a burst, requests wait for a connection instead of failing.
-    pool = redis.BlockingConnectionPool.from_url(settings.state_url, max_connections=64, timeout=2, socket_timeout=5)
+    # A bounded pool: under a burst, requests wait for a connection instead of failing;
+    # every call on the request path, and the wait for a connection, is bounded.
+    bound_s = settings.broker_timeout_ms / 1000.0
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.state_url, max_connections=64, timeout=bound_s, socket_timeout=bound_s, socket_connect_timeout=bound_s
+    )
     client = redis.Redis(connection_pool=pool)
-    app.extensions["keybatch"] = Gateway(settings, client, make_celery(settings), SystemClock())
+    time_source = redis.Redis.from_url(settings.state_url, socket_timeout=bound_s, socket_connect_timeout=bound_s)
+    clock = BrokerClock(time_source, SystemClock(settings.clock_skew_ms))
+    app.extensions["keybatch"] = Gateway(settings, client, make_celery(settings), clock)
     errors.init_app(app)
     app.register_blueprint(completions.bp)
     app.register_blueprint(ops.bp)

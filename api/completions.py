@@ -36,13 +36,16 @@ def _header_id(name: str) -> str | None:
     return value
 
 
+ANONYMOUS = "anonymous"
+
+
 def caller(settings: Settings) -> tuple[Tier, str]:
-    """The key decides the tier (no header can raise it) and the tenant its sessions and
-    cancels are scoped to."""
+    """The key decides the tier (no header can raise it) and the tenant its request ids,
+    sessions and cancels are scoped to."""
     auth = request.headers.get("Authorization")
     if auth is None:
         if settings.allow_anonymous:
-            return "free", "anonymous"
+            return "free", ANONYMOUS
         raise ApiError(401, "an API key is required (Authorization: Bearer KEY)", "missing_api_key")
     scheme, _, key = auth.partition(" ")
     key = key.strip()
@@ -82,19 +85,41 @@ def _parse_body(settings: Settings) -> CompletionRequest:
     return req
 
 
+def _scoped(tenant: str, request_id: str | None, session_id: str | None) -> tuple[str, str, str | None, bool]:
+    """(the id echoed to the caller, the request's key, the session's key, keep the answer).
+
+    Keys carry the tenant, so no caller reaches another's requests or sessions. All
+    anonymous callers share one tenant, so an id an anonymous caller chose is echoed but
+    not used as a key: its request gets an unguessable key, and an anonymous caller can
+    cancel only by the id the server issued (`cmpl-...`). Anonymous sessions are scoped
+    to the client's address as well as the session id.
+    """
+    if tenant != ANONYMOUS:
+        issued = request_id or f"cmpl-{secrets.token_hex(16)}"
+        session = f"{tenant}:{session_id}" if session_id else None
+        return issued, f"{tenant}:{issued}", session, request_id is not None
+    issued = f"cmpl-{secrets.token_hex(16)}"
+    session = f"{ANONYMOUS}@{request.remote_addr}:{session_id}" if session_id else None
+    return request_id or issued, f"{ANONYMOUS}:{issued}", session, False
+
+
 @bp.post("/v1/completions")
 def create_completion() -> Response:
-    """Complete one prompt; wait for its batch; answer once (JSON or server-sent events)."""
+    """Complete one prompt; wait for its batch; answer once (JSON or server-sent events).
+
+    A retry with the X-Request-Id of a request in flight joins it; one answered in the
+    last `idempotency_window_s` gets the same answer again."""
     gw = gateway()
     settings = gw.settings
     received = gw.clock.now_ms()
     tier, tenant = caller(settings)
-    request_id = _header_id("X-Request-Id") or f"cmpl-{secrets.token_hex(16)}"
-    session_id = _header_id("X-Session-Id")
+    request_id, key, session_key, keep = _scoped(tenant, _header_id("X-Request-Id"), _header_id("X-Session-Id"))
     budget = _budget_ms(settings)
     req = _parse_body(settings)
     job = p.Job.model_construct(  # every field checked already, by CompletionRequest or here
-        id=request_id,
+        id=secrets.token_hex(16),
+        key=key,
+        keep_ms=int(settings.idempotency_window_s * 1000) if keep else 0,
         model=req.model,
         prompt=req.prompt,
         suffix=req.suffix,
@@ -109,7 +134,7 @@ def create_completion() -> Response:
         stream=req.stream,
     )
     try:
-        waiter = gw.submit(job, session_id, tenant)
+        waiter = gw.submit(job, request_id, session_key)
     except ApiError as err:
         gw.metrics.requests.labels(job.model, tier, str(err.status)).inc()
         raise
@@ -129,7 +154,7 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
     status = 200
     try:
         if isinstance(item, p.Result):
-            return _completion(job, item, now)
+            return _completion(waiter.request_id, job, item, now)
         status, err = _error_for(item)
         raise err
     finally:
@@ -142,16 +167,22 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
 
 
 def _error_for(item: object) -> tuple[int, ApiError]:
+    if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "unavailable":
+        return 503, ApiError(503, "the broker stopped answering; retry shortly", "broker_unavailable", retry_after_s=1)
+    if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "retried":
+        return 409, ApiError(409, "a retry with the same request id took this request over", "retried")
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason != "expired":
         return 409, ApiError(409, f"the request was {item.reason}", item.reason)
+    if isinstance(item, p.Failed) and item.per_request:
+        return 422, ApiError(422, item.message, "engine_error")
     if isinstance(item, p.Failed):
         return 503, ApiError(503, f"the replica failed the batch: {item.message}", "replica_failed", retry_after_s=1)
     return 504, ApiError(504, "the deadline passed before the completion was ready", "deadline_exceeded")
 
 
-def _completion(job: p.Job, res: p.Result, now: float) -> dict:
+def _completion(request_id: str, job: p.Job, res: p.Result, now: float) -> dict:
     return {
-        "id": job.id,
+        "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": job.model,
@@ -192,7 +223,7 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
         yield "data: [DONE]\n\n"
 
     resp = Response(stream_with_context(events()), mimetype="text/event-stream")
-    resp.headers["X-Request-Id"] = waiter.job.id
+    resp.headers["X-Request-Id"] = waiter.request_id
     resp.headers["Cache-Control"] = "no-cache"
     return resp
 
@@ -204,6 +235,6 @@ def cancel_completion(request_id: str) -> Response:
     _tier, tenant = caller(gw.settings)
     if not _ID.match(request_id):
         raise ApiError(400, "invalid request id", "invalid_request")
-    if not gw.cancel(request_id, "cancelled", tenant):
+    if not gw.cancel(f"{tenant}:{request_id}", "cancelled", tenant):
         raise ApiError(404, f"no request {request_id} in flight", "request_not_found")
     return jsonify({"id": request_id, "object": "text_completion.cancelled", "cancelled": True})

@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,48 +22,43 @@ from celery import Celery
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control import admission
+from control import admission, failover
 from control import protocol as p
 from control.admission import Capacity, Limits, Verdict
-from control.clock import Clock
+from control.clock import BrokerClock, Clock
 from control.fleet import FleetView
 from control.settings import Settings
 from tasks.app import TaskMessages
 
 log = logging.getLogger(__name__)
 
-CANCEL_TTL_MS = 120_000
 FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
+EARLY_KEEP_S = 2.0  # an answer for a request this process has not registered yet (a join in flight)
 
-# Shared by both scripts: mark a request cancelled and tell the gateway holding it.
-# The owner value is "<gateway>|<waiting set>|<tenant>". A cancel from a client only
-# finds requests of its own tenant ('' matches any: the gateway's own expiry).
-_CANCEL_FN = """
-local function cancel(id, reason, tenant)
-  local owner = redis.call('GET', 'kb:req:' .. id)
-  if not owner then return 0 end
-  local a = string.find(owner, '|', 1, true)
-  local b = string.find(owner, '|', a + 1, true)
-  local gateway, waiting, who = owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1)
-  if tenant ~= '' and tenant ~= who then return 0 end
-  redis.call('SET', 'kb:cancel:' .. id, reason, 'PX', CANCEL_TTL_MS)
-  redis.call('DEL', 'kb:req:' .. id)
-  redis.call('ZREM', waiting, id)
-  local key = 'kb:reply:' .. gateway
-  redis.call('RPUSH', key, cjson.encode({items = {{kind = 'cancelled', id = id, reason = reason}}}))
-  redis.call('EXPIRE', key, 60)
-  return 1
-end
-""".replace("CANCEL_TTL_MS", str(CANCEL_TTL_MS))
-
-CANCEL_LUA = _CANCEL_FN + "return cancel(ARGV[1], ARGV[2], ARGV[3])"
+CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4])"
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
-# ARGV: owner value, ttl ms, deadline, id, tier, max position, now, task message.
-# Returns {status, paid waiting, free waiting}; status 1 admitted, 0 already in flight, -1 too deep.
+# ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
+#       done key ('' when the answer is not kept), this gateway, request key.
+# Returns {status, paid waiting, free waiting, extra}: 1 admitted; 2 answered before
+# (extra: the stored answer); 3 in flight, joined (extra: its attempt); -1 too deep.
 ADMIT_LUA = (
-    _CANCEL_FN
+    failover.LUA_LIB
     + """
+if ARGV[9] ~= '' then
+  local done = redis.call('GET', ARGV[9])
+  if done then return {2, 0, 0, done} end
+end
+local current = redis.call('GET', KEYS[1])
+if current then
+  -- A retry joins the attempt in flight; its answer now comes here.
+  local gateway, waiting, tenant, attempt = owner_parts(current)
+  redis.call('SET', KEYS[1], ARGV[10] .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt, 'KEEPTTL')
+  if gateway ~= ARGV[10] then
+    notify(gateway, cjson.encode({kind = 'cancelled', id = attempt, reason = 'retried'}))
+  end
+  return {3, 0, 0, attempt}
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[7])
 local paid = redis.call('ZCARD', KEYS[2])
@@ -73,16 +69,15 @@ if ARGV[5] == 'free' then
   position = position + free
   own = KEYS[3]
 end
-if position > tonumber(ARGV[6]) then return {-1, paid, free} end
-if redis.call('EXISTS', 'kb:cancel:' .. ARGV[4]) == 1 then return {0, paid, free} end
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, paid, free} end
+if position > tonumber(ARGV[6]) then return {-1, paid, free, ''} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', own, ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[4], ARGV[8])
 if KEYS[5] then
-  local previous = redis.call('SET', KEYS[5], ARGV[4], 'GET', 'PX', ARGV[2])
-  if previous and previous ~= ARGV[4] then cancel(previous, 'superseded', '') end
+  local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
+  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '') end
 end
-return {1, paid, free}
+return {1, paid, free, ''}
 """
 )
 
@@ -129,18 +124,43 @@ class DirectScript:
             self.pool.release(conn)
 
 
+Item = p.Result | p.Dropped | p.Cancelled | p.Failed
+
+
 @dataclass
 class Waiter:
-    """One request waiting in this process for its reply."""
+    """One connection waiting in this process for the answer of attempt `attempt`."""
 
     job: p.Job
+    request_id: str  # as the caller names it, echoed in the answer
+    attempt: str = ""
     event: threading.Event = field(default_factory=threading.Event)
-    item: p.Result | p.Dropped | p.Cancelled | p.Failed | None = None
+    item: Item | None = None
 
-    def resolve(self, item: p.Result | p.Dropped | p.Cancelled | p.Failed) -> None:
+    def __post_init__(self) -> None:
+        self.attempt = self.attempt or self.job.id
+
+    def resolve(self, item: Item) -> None:
         if self.item is None:
             self.item = item
             self.event.set()
+
+
+class BrokerHealth:
+    """Is the broker answering? A request-path call that fails or exceeds its bound
+    marks it down at once (new requests then get 503 without trying); the gateway's
+    health loop probes it and marks it up again."""
+
+    def __init__(self) -> None:
+        self.is_down = False
+        self.failed_probes = 0
+
+    def failed(self) -> None:
+        self.is_down = True
+
+    def probed(self, ok: bool) -> None:
+        self.failed_probes = 0 if ok else self.failed_probes + 1
+        self.is_down = not ok
 
 
 class Gateway:
@@ -153,7 +173,9 @@ class Gateway:
         self.fleet = FleetView(client)
         self.metrics = Metrics(self.fleet)
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
-        self.waiters: dict[str, Waiter] = {}
+        self.waiters: dict[str, list[Waiter]] = {}  # by attempt
+        self.health = BrokerHealth()
+        self._early: dict[str, tuple[Item, float]] = {}  # answers that came before their join
         self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
         # Set by the server: False once this process was told to stop (it then
@@ -164,25 +186,45 @@ class Gateway:
         self._admit = DirectScript(client, ADMIT_LUA)
         self._task_message = TaskMessages(celery)
         self._cancel = client.register_script(CANCEL_LUA)
+        # Blocking reads and background probes get their own connections and bounds.
+        bound_s = settings.broker_timeout_ms / 1000.0
+        self._listener = _client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)
+        self._prober = _client_like(client, socket_timeout=bound_s, socket_connect_timeout=bound_s)
+        self._sweep = self._prober.register_script(failover.SWEEP_DEAD_LUA)
 
     def start(self) -> None:
-        """Start the listener and the fleet view (once, in the serving process)."""
+        """Start the listener, the health loop and the fleet view (once, in the serving process)."""
         if self._started:  # every request asks: no lock once started
             return
         with self._lock:  # held through the first registry read: no request sees an empty fleet
             if self._started:
                 return
             self.fleet.start()
+            self._sync_clock()
             threading.Thread(target=self._listen, name="reply-listener", daemon=True).start()
+            threading.Thread(target=self._watch_broker, name="broker-health", daemon=True).start()
             self._started = True
+
+    def _sync_clock(self) -> None:
+        if not isinstance(self.clock, BrokerClock):
+            return
+        for _ in range(3):
+            try:
+                self.clock.sync()
+            except redis.RedisError:
+                log.warning("could not read the broker's clock")
+                return
 
     # -- submit ----------------------------------------------------------------
 
-    def submit(self, job: p.Job, session_id: str | None, tenant: str = "anonymous") -> Waiter:
-        """Admit and enqueue one request; raise ApiError if it cannot be taken."""
+    def submit(self, job: p.Job, request_id: str, session_key: str | None) -> Waiter:
+        """Admit and enqueue one request, or join the attempt in flight under its key;
+        raise ApiError if it cannot be taken."""
         self.start()
         if not self.is_serving():
             raise ApiError(503, "the gateway is shutting down", "shutting_down", retry_after_s=1)
+        if self.health.is_down:
+            raise _broker_down(None)
         budget = job.deadline_ms - job.received_ms
         capacity = self.fleet.capacity(job.model)
         verdict, position = admission.check(budget, capacity, self.limits), 0
@@ -196,18 +238,14 @@ class Gateway:
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
                 verdict = Verdict.OVERLOADED
         if verdict == Verdict.ADMIT:
-            waiter = Waiter(job)
-            with self._lock:
-                if job.id in self.waiters:
-                    raise _in_flight(job.id)
-                self.waiters[job.id] = waiter  # before the enqueue: a reply may come at once
+            waiter = Waiter(job, request_id)
+            self._register(waiter)  # before the enqueue: a reply may come at once
             verdict = Verdict.OVERLOADED  # until the enqueue says otherwise (or raises)
             try:
-                verdict, position = self._enqueue(job, session_id, deepest, tenant)
+                verdict, position = self._enqueue(waiter, session_key, deepest)
             finally:
                 if verdict != Verdict.ADMIT:
-                    with self._lock:
-                        self.waiters.pop(job.id, None)
+                    self._forget(waiter)
             if verdict == Verdict.ADMIT:
                 if job.tier == "paid":
                     self._paid_rate[job.model].add(now)
@@ -216,6 +254,21 @@ class Gateway:
         self.metrics.rejected.labels(job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position)
 
+    def _register(self, waiter: Waiter) -> None:
+        with self._lock:
+            self.waiters.setdefault(waiter.attempt, []).append(waiter)
+            early = self._early.pop(waiter.attempt, None)
+        if early is not None:
+            waiter.resolve(early[0])
+
+    def _forget(self, waiter: Waiter) -> None:
+        with self._lock:
+            group = self.waiters.get(waiter.attempt, [])
+            if waiter in group:
+                group.remove(waiter)
+            if not group:
+                self.waiters.pop(waiter.attempt, None)
+
     def _recent_position(self, job: p.Job) -> int:
         """The request's queue position by the last admission's counts, if they are fresh."""
         paid, free, at_ms = self._depth.get(job.model, (0, 0, 0.0))
@@ -223,60 +276,130 @@ class Gateway:
             return 0
         return admission.position(job.tier, paid, free)
 
-    def _enqueue(self, job: p.Job, session_id: str | None, deepest: int, tenant: str) -> tuple[Verdict, int]:
-        """One round trip admits the request and enqueues its Celery task, or neither."""
+    def _enqueue(self, waiter: Waiter, session_key: str | None, deepest: int) -> tuple[Verdict, int]:
+        """One round trip admits the request and enqueues its Celery task, or neither; or
+        joins the attempt in flight under the same key, or finds its stored answer."""
+        job = waiter.job
         keys = [
-            p.owner_key(job.id),
+            p.owner_key(job.key),
             p.waiting_key(job.model, "paid"),
             p.waiting_key(job.model, "free"),
             p.queue_key(job.model, job.tier),
         ]
-        if session_id:
-            keys.append(p.session_key(f"{tenant}:{session_id}"))
+        if session_key:
+            keys.append(p.session_key(session_key))
         ttl = int(job.deadline_ms - job.received_ms) + 5_000
         message = self._task_message(job)
-        owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}"
-        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, self.clock.now_ms(), message]
+        tenant = job.key.partition(":")[0]
+        owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}"
+        done = p.done_key(job.key) if job.keep_ms else ""
+        now = self.clock.now_ms()
+        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key]
         try:
-            status, paid, free = self._admit(keys, args)  # type: ignore[misc]
+            status, paid, free, extra = self._admit(keys, args)  # type: ignore[misc]
         except redis.RedisError as exc:
+            self.health.failed()
             raise _broker_down(exc) from exc
+        if status == 2:  # answered within the idempotency window: the same answer again
+            waiter.resolve(p.Result.model_validate_json(extra))
+            return Verdict.ADMIT, 0
+        if status == 3:  # joined the attempt in flight
+            self._forget(waiter)
+            waiter.attempt = extra.decode()
+            self._register(waiter)
+            return Verdict.ADMIT, 0
         self._depth[job.model] = (paid, free, self.clock.now_ms())
-        if status == 0:
-            raise _in_flight(job.id)
         verdict = Verdict.OVERLOADED if status == -1 else Verdict.ADMIT
         return verdict, admission.position(job.tier, paid, free)
 
     # -- waiting, cancel, give up ----------------------------------------------------
 
-    def wait(self, waiter: Waiter) -> None:
-        """Block until the reply, a cancel, or the deadline (then give the request up)."""
+    def wait(self, waiter: Waiter, hangup: object | None = None) -> None:
+        """Block until the answer, a cancel, the deadline (then give the request up) or,
+        with `hangup` (a gevent event set when the client's connection closes), until the
+        client hangs up (then cancel the request: it takes no batch slot, or it is wasted)."""
         timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
         try:
-            if not waiter.event.wait(timeout_s):
-                waiter.resolve(p.Dropped(id=waiter.job.id, reason="expired", replica=""))
-                try:  # so that a replica which has not started it drops it
-                    self.cancel(waiter.job.id, "expired")
-                except ApiError:
-                    pass  # the broker is away; the answer is a 504 all the same
+            if waiter.event.wait(timeout_s) if hangup is None else self._wait_or_hangup(waiter, timeout_s, hangup):
+                return
+            gone = waiter.item is None and hangup is not None and waiter.job.deadline_ms > self.clock.now_ms()
+            reason = "gone" if gone else "expired"
+            waiter.resolve(
+                p.Cancelled(id=waiter.attempt, reason=reason)
+                if gone
+                else p.Dropped(id=waiter.attempt, reason="expired", replica="")
+            )
+            self._give_up(waiter, reason)
         finally:
-            with self._lock:
-                self.waiters.pop(waiter.job.id, None)
+            self._forget(waiter)
             self.metrics.inflight.dec()
 
-    def cancel(self, request_id: str, reason: str, tenant: str = "") -> bool:
-        """Cancel a request in flight on any gateway; False if none of `tenant`'s ('' any) is."""
+    @staticmethod
+    def _wait_or_hangup(waiter: Waiter, timeout_s: float, hangup: object) -> bool:
+        """True once answered; False at the deadline or when the client has gone."""
+        import gevent  # `hangup` is a gevent event: only the gevent server watches for hang-ups
+
+        gevent.wait([waiter.event, hangup], timeout=timeout_s, count=1)
+        return waiter.event.is_set()
+
+    def _give_up(self, waiter: Waiter, reason: str) -> None:
+        """Drop the request where it waits (unless another connection joined it)."""
+        with self._lock:
+            joined = len(self.waiters.get(waiter.attempt, [])) > 1
+        if joined:
+            return
         try:
-            found = bool(self._cancel(args=[request_id, reason, tenant]))
+            self._cancel(args=[waiter.job.key, reason, "", waiter.attempt])
+        except redis.RedisError:
+            self.health.failed()  # the broker is away; the answer stands all the same
+
+    def cancel(self, key: str, reason: str, tenant: str) -> bool:
+        """Cancel the request with this key on any gateway; False if `tenant` has none."""
+        if self.health.is_down:
+            raise _broker_down(None)
+        try:
+            return bool(self._cancel(args=[key, reason, tenant, ""]))
         except redis.RedisError as exc:
+            self.health.failed()
             raise _broker_down(exc) from exc
-        return found
+
+    # -- the broker's health, and the sweep of lapsed leases -------------------------
+
+    def _watch_broker(self) -> None:
+        """Every 100 ms (50 while it is down): sweep replicas whose lease lapsed, which
+        is also the probe of the broker; every second, read the broker's clock."""
+        min_ms = self.settings.batch_ms + self.settings.deadline_margin_ms
+        last_sync = 0.0
+        while True:
+            try:
+                swept, requeued, expired = self._sweep(args=[min_ms])
+                if swept:
+                    log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
+                if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
+                    self.clock.sync()
+                    last_sync = time.monotonic()
+                self.health.probed(True)
+            except redis.RedisError:
+                self.health.probed(False)
+                if self.health.failed_probes == 2:  # ~150 ms without a broker: nothing will come back
+                    self._fail_all_waiting()
+            except Exception:
+                log.exception("broker health loop")
+            threading.Event().wait(0.05 if self.health.is_down else 0.1)
+
+    def _fail_all_waiting(self) -> None:
+        with self._lock:
+            groups = list(self.waiters.values())
+        log.warning("broker unreachable: answering %d waiting requests 503", sum(map(len, groups)))
+        for group in groups:
+            for waiter in group:
+                waiter.resolve(p.Dropped(id=waiter.attempt, reason="unavailable", replica=""))
 
     # -- replies ---------------------------------------------------------------------
 
     def _listen(self) -> None:
         key = p.reply_key(self.id)
-        client = self.redis
+        client = self._listener
         backlog: list[bytes] = []
         while True:
             try:
@@ -307,14 +430,19 @@ class Gateway:
                 self.metrics.dropped.labels(item.reason).inc()
             elif isinstance(item, p.Cancelled):
                 self.metrics.cancels.labels(item.reason).inc()
-            waiter = self.waiters.get(item.id)
-            if waiter is None:
-                if isinstance(item, p.Result):
-                    self.metrics.wasted.inc()
-                continue
-            if isinstance(item, p.Result) and waiter.item is not None:
-                self.metrics.wasted.inc()  # it came back after the client was answered
-            waiter.resolve(item)
+            with self._lock:
+                group = list(self.waiters.get(item.id, ()))
+                if not group and isinstance(item, p.Result | p.Failed):
+                    self._keep_early(item)
+            for waiter in group:
+                waiter.resolve(item)
+
+    def _keep_early(self, item: Item) -> None:
+        """An answer may overtake the join that moved its request here; keep it briefly."""
+        now = time.monotonic()
+        self._early[item.id] = (item, now)
+        if len(self._early) > 64:
+            self._early = {k: v for k, v in self._early.items() if now - v[1] < EARLY_KEEP_S}
 
     def readiness(self) -> dict[str, int]:
         """Ready replicas per configured model."""
@@ -326,14 +454,16 @@ class Gateway:
         return counts
 
 
-def _in_flight(request_id: str) -> ApiError:
-    return ApiError(
-        409, f"request id {request_id} is in flight or was cancelled in the last two minutes", "request_in_flight"
-    )
+def _client_like(client: redis.Redis, **overrides: float) -> redis.Redis:
+    """A client to the same server with a pool of its own and other timeouts."""
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, **overrides}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
 
 
-def _broker_down(exc: BaseException) -> ApiError:
-    log.warning("broker unreachable: %r", exc)
+def _broker_down(exc: BaseException | None) -> ApiError:
+    if exc is not None:
+        log.warning("broker unreachable: %r", exc)
     return ApiError(503, "the broker is unreachable; retry shortly", "broker_unavailable", retry_after_s=1)
 
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from control.fleet import FleetView
@@ -66,11 +66,6 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.wasted = Counter(
-            "keybatch_wasted_results",
-            "Results that came back for a client that had already gone (wasted model work)",
-            registry=r,
-        )
         self.inflight = Gauge(
             "keybatch_inflight", "Requests waiting in the gateway", registry=r, multiprocess_mode="livesum"
         )
@@ -112,4 +107,9 @@ class _FleetCollector(Collector):
             buffered.add_metric(labels, rep.buffered)
             for reason, n in rep.dropped.items():
                 dropped.add_metric([*labels, reason], n)
-        yield from (ready, batches, served, buffered, dropped)
+        wasted = CounterMetricFamily(
+            "keybatch_wasted_results",
+            "Results run for a request already answered (a re-queued copy) or whose client had gone",
+            value=self.fleet.num_wasted,
+        )
+        yield from (ready, batches, served, buffered, dropped, wasted)

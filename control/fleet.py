@@ -1,7 +1,9 @@
 """The replica registry as read from Redis: who serves which model, and how.
 
-Each replica refreshes a hash `kb:replica:<name>` with a short TTL (its lease)
-and adds its name to `kb:replicas`. A name whose hash expired is a dead replica.
+Each replica refreshes a hash `kb:replica:<name>` with a short TTL and adds its
+name to `kb:replicas`; a name whose hash expired is a dead replica. A replica takes
+work only while its lease (`kb:lease:<name>`, renewed by its batching loop) is alive:
+a hung replica keeps its heartbeat but loses its lease.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ class ReplicaInfo:
     num_batches: int
     num_requests: int
     dropped: dict[str, int]
+    has_lease: bool = True
+    why_not_ready: str = ""
+    clock_offset_ms: float = 0.0
 
     @property
     def is_ready(self) -> bool:
-        return self.state == "ready"
+        return self.state == "ready" and self.has_lease
 
     @classmethod
-    def from_hash(cls, name: str, h: dict[bytes, bytes]) -> ReplicaInfo:
+    def from_hash(cls, name: str, h: dict[bytes, bytes], has_lease: bool = True) -> ReplicaInfo:
         f = {k.decode(): v.decode() for k, v in h.items()}
         return cls(
             name=name,
@@ -50,7 +55,12 @@ class ReplicaInfo:
             busy=f.get("busy") == "1",
             num_batches=int(f.get("num_batches", 0)),
             num_requests=int(f.get("num_requests", 0)),
-            dropped={reason: int(f.get(f"dropped_{reason}", 0)) for reason in ("cancelled", "superseded", "expired")},
+            dropped={
+                reason: int(f.get(f"dropped_{reason}", 0)) for reason in ("cancelled", "superseded", "expired", "gone")
+            },
+            has_lease=has_lease,
+            why_not_ready=f.get("why_not_ready", ""),
+            clock_offset_ms=float(f.get("clock_offset_ms", 0.0)),
         )
 
 
@@ -61,10 +71,12 @@ def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(p.replica_key(name))
+        pipe.exists(p.lease_key(name))
+    replies = pipe.execute()
     fleet, dead = [], []
-    for name, h in zip(names, pipe.execute(), strict=True):
+    for name, h, lease in zip(names, replies[::2], replies[1::2], strict=True):
         if h:
-            fleet.append(ReplicaInfo.from_hash(name, h))
+            fleet.append(ReplicaInfo.from_hash(name, h, bool(lease)))
         else:
             dead.append(name)
     if dead:
@@ -87,6 +99,7 @@ class FleetView:
         self.client = client
         self.refresh_s = refresh_s
         self.replicas: list[ReplicaInfo] = []
+        self.num_wasted = 0  # results that found their request answered or gone, whole deployment
         self.is_reachable = False
         self._started = False
         self._lock = threading.Lock()
@@ -106,6 +119,7 @@ class FleetView:
     def refresh(self) -> None:
         try:
             self.replicas = read_fleet(self.client)
+            self.num_wasted = int(self.client.get(p.WASTED_KEY) or 0)
             self.is_reachable = True
         except redis.RedisError:
             self.is_reachable = False

@@ -20,6 +20,10 @@ PAID_PRIORITY = 0  # kombu's Redis transport serves lower numbers first
 FREE_PRIORITY = 9
 PRIORITY_STEPS = [PAID_PRIORITY, FREE_PRIORITY]
 PRIORITY_SEP = ":"  # kombu's `sep` transport option: "<queue><sep><priority>"
+HOLDERS_KEY = f"{PREFIX}:holders"  # replicas that may hold requests (see control/failover.py)
+WASTED_KEY = f"{PREFIX}:stats:wasted"  # results that found their request answered or gone
+REPLY_TTL_S = 60
+CANCEL_TTL_MS = 120_000
 
 
 def queue_name(model: str) -> str:
@@ -40,13 +44,33 @@ def reply_key(gateway_id: str) -> str:
     return f"{PREFIX}:reply:{gateway_id}"
 
 
-def owner_key(request_id: str) -> str:
-    """Which gateway holds the connection of a request in flight."""
-    return f"{PREFIX}:req:{request_id}"
+def owner_key(key: str) -> str:
+    """Which gateway holds the connection of a request in flight, by its tenant-scoped key."""
+    return f"{PREFIX}:req:{key}"
 
 
-def cancel_key(request_id: str) -> str:
-    return f"{PREFIX}:cancel:{request_id}"
+def done_key(key: str) -> str:
+    """The stored answer of a finished request, for retries with the same id."""
+    return f"{PREFIX}:done:{key}"
+
+
+def cancel_key(attempt: str) -> str:
+    return f"{PREFIX}:cancel:{attempt}"
+
+
+def lease_key(replica: str) -> str:
+    """Exists while the replica's batching loop is alive (renewed every few 100 ms)."""
+    return f"{PREFIX}:lease:{replica}"
+
+
+def held_key(replica: str) -> str:
+    """Hash of the requests a replica took from the queue and has not answered."""
+    return f"{PREFIX}:held:{replica}"
+
+
+def claim_key(attempt: str) -> str:
+    """Which replica runs an attempt (set before its batch starts)."""
+    return f"{PREFIX}:claim:{attempt}"
 
 
 def session_key(session_id: str) -> str:
@@ -73,9 +97,16 @@ def replica_key(name: str) -> str:
 
 
 class Job(BaseModel):
-    """The payload of one Celery task: one completion request."""
+    """The payload of one Celery task: one completion request.
+
+    `id` names this attempt (unique, unguessable, made by the gateway that admitted it);
+    `key` is the request as its caller names it, scoped to the caller's tenant: a retry
+    with the same key joins the attempt in flight, and its answer is kept `keep_ms`.
+    """
 
     id: str
+    key: str
+    keep_ms: int = 0
     model: str
     prompt: str
     suffix: str | None = None
@@ -85,12 +116,14 @@ class Job(BaseModel):
     stop: list[str] = Field(default_factory=list)
     tier: Tier = "free"
     gateway: str
-    received_ms: float  # epoch ms when the gateway admitted it
-    deadline_ms: float  # epoch ms after which nobody waits for it
+    received_ms: float  # when the gateway admitted it, epoch ms on the broker's clock
+    deadline_ms: float  # after which nobody waits for it, on the broker's clock
     stream: bool = False
 
 
-DropReason = Literal["cancelled", "superseded", "expired"]
+# expired: past its deadline; gone: the client hung up; retried: a retry on another
+# gateway took the request over; unavailable: the broker stopped answering.
+DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable"]
 
 
 class Result(BaseModel):
@@ -127,12 +160,14 @@ class Cancelled(BaseModel):
 
 
 class Failed(BaseModel):
-    """The engine raised for this request's batch."""
+    """The engine raised for this request (`per_request`: on this request alone, which
+    would fail again) or for its whole batch."""
 
     kind: Literal["failed"] = "failed"
     id: str
     message: str
     replica: str
+    per_request: bool = False
 
 
 class Reply(BaseModel):

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     models_dir: Path = Path("models")
     max_batch: int = Field(64, ge=1)
     batch_ms: float = Field(250.0, gt=0, description="fixed backend: time of any batch")
+    fixed_poison: str | None = Field(
+        None, description="fixed backend, fault injection: a prompt containing this fails in the engine"
+    )
     max_wait_ms: float = Field(20.0, ge=0, description="cap on how long a free replica waits to fill")
     paid_boost_ms: float = Field(
         300.0, ge=0, description="aging: a free request waiting this long ranks with a new paid one"
@@ -65,6 +68,20 @@ class Settings(BaseSettings):
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: bool = Field(True, description="send Celery task events (Flower)")
     event_flush_ms: float = Field(100.0, gt=0, description="task events are published at most this often")
+
+    # Failover and the broker.
+    lease_ms: float = Field(
+        300.0, gt=0, description="a replica whose batching loop is silent this long is presumed dead"
+    )
+    stall_ms: float = Field(2000.0, gt=0, description="a batch this far past its expected time restarts the replica")
+    broker_timeout_ms: float = Field(75.0, gt=0, description="bound on each broker call on the request path (then 503)")
+    idempotency_window_s: float = Field(
+        30.0, ge=0, description="a retry with the same X-Request-Id gets the stored answer this long"
+    )
+    max_clock_error_ms: float = Field(
+        25.0, gt=0, description="a replica that cannot read the broker's clock this closely is not ready"
+    )
+    clock_skew_ms: float = Field(0.0, description="testing only: shift this process's wall clock")
 
     @field_validator("redis_url", "broker_url")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +50,7 @@ class Output:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None  # the engine could not run this request; the rest of the batch ran
 
 
 class BatchControl(Protocol):
@@ -60,6 +62,10 @@ class BatchControl(Protocol):
 
     def emit(self, request_id: str, text: str) -> None:
         """Send partial text of one request to its waiting client."""
+        ...
+
+    def keep_alive(self) -> None:
+        """Called between steps: renews the replica's lease (an engine that hangs loses it)."""
         ...
 
 
@@ -98,9 +104,12 @@ class FixedLatencyEngine:
 
     name = SIMULATED
 
-    def __init__(self, max_batch: int, batch_ms: float) -> None:
+    STEP_MS = 50.0  # the simulated accelerator reports between steps of this length
+
+    def __init__(self, max_batch: int, batch_ms: float, poison: str | None = None) -> None:
         self.max_batch = max_batch
         self.batch_ms = batch_ms
+        self.poison = poison  # fault injection: a prompt containing this fails in the engine
         self._stop = threading.Event()
 
     def expected_batch_ms(self) -> float:
@@ -109,14 +118,18 @@ class FixedLatencyEngine:
     def run(self, jobs: list[Job], control: BatchControl) -> list[Output]:
         if len(jobs) > self.max_batch:
             raise ValueError(f"batch of {len(jobs)} exceeds max_batch {self.max_batch}")
-        # The simulated accelerator is busy for the batch time; an Event wait
-        # rather than a bare sleep so a hard stop can interrupt it.
-        self._stop.wait(self.batch_ms / 1000.0)
-        outputs = []
-        for job in jobs:
-            text, reason = simulated_text(job)
-            outputs.append(Output(job.id, text, reason, count_tokens(job.prompt), count_tokens(text)))
-        return outputs
+        # The simulated accelerator is busy for the batch time, in steps (an Event wait
+        # rather than a bare sleep so a hard stop can interrupt it).
+        end = time.monotonic() + self.batch_ms / 1000.0
+        while (left := end - time.monotonic()) > 0 and not self._stop.wait(min(left, self.STEP_MS / 1000.0)):
+            control.keep_alive()
+        return [self._output(job) for job in jobs]
+
+    def _output(self, job: Job) -> Output:
+        if self.poison and self.poison in job.prompt:
+            return Output(job.id, "", "error", 0, 0, error="the simulated accelerator failed on this prompt")
+        text, reason = simulated_text(job)
+        return Output(job.id, text, reason, count_tokens(job.prompt), count_tokens(text))
 
     def close(self) -> None:
         self._stop.set()

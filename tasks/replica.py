@@ -1,9 +1,10 @@
 """One model replica: a buffer, a batching loop and the Redis glue around them.
 
-No Celery here: the Celery consumer hands each request to `Replica.submit`
-together with a callable that acknowledges its message. The loop thread waits
-until the collector says a batch is due, checks the whole buffer for cancels in
-one MGET, runs the engine, and answers every gateway in one pipelined write.
+No Celery here: the Celery consumer hands each request to `Replica.submit`. The
+loop thread records what arrived in the replica's held hash and renews its lease
+(control/failover.py), waits until the collector says a batch is due, checks the
+whole buffer for cancels in one MGET, claims the batch, runs the engine, and
+answers every gateway in one delivery script.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,15 +21,14 @@ from typing import Protocol
 
 import redis
 
+from control import failover
 from control import protocol as p
-from control.clock import Clock
+from control.clock import BrokerClock, Clock
 from tasks.app import job_from_message
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output
 
 log = logging.getLogger(__name__)
-
-REPLY_TTL_S = 60
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Held:
     """What the replica keeps for a buffered request besides the policy fields."""
 
     job: p.Job
+    message: str | None = None  # the queue message as taken, for requests popped at a launch
 
 
 class EventSink(Protocol):
@@ -66,7 +68,7 @@ class Stats:
             "num_requests": self.num_requests,
             "last_batch_size": self.last_batch_size,
         }
-        for reason in ("cancelled", "superseded", "expired"):
+        for reason in ("cancelled", "superseded", "expired", "gone"):
             fields[f"dropped_{reason}"] = self.dropped[reason]
         return fields
 
@@ -84,6 +86,9 @@ class _Control:
     def emit(self, request_id: str, text: str) -> None:  # streaming comes with the hf engine
         pass
 
+    def keep_alive(self) -> None:
+        self.replica.renew_lease_if_due()
+
 
 class Replica:
     def __init__(
@@ -99,6 +104,10 @@ class Replica:
         pull_lead_ms: float = 40.0,
         heartbeat_s: float = 1.0,
         ttl_s: float = 3.0,
+        envelope: Callable[[p.Job], str] | None = None,
+        lease_ms: float = 300.0,
+        stall_ms: float = 2000.0,
+        max_clock_error_ms: float = 25.0,
     ) -> None:
         self.name = name
         self.model = model
@@ -118,6 +127,15 @@ class Replica:
         self.stats = Stats()
         self.state = "starting"
         self.busy = False
+        self.envelope = envelope or (lambda job: job.model_dump_json())  # what a sweep re-queues
+        self.lease_ms = lease_ms
+        self.stall_ms = stall_ms
+        self.max_clock_error_ms = max_clock_error_ms
+        self.why_not_ready = ""
+        self._renew_at_ms = 0.0  # monotonic
+        self._batch_started = 0.0  # monotonic ms of the running batch's start
+        self._claim = client.register_script(failover.CLAIM_LUA)
+        self._deliver = client.register_script(failover.DELIVER_LUA)
         self._cond = threading.Condition()
         self._stopping = False
         self._stopped = threading.Event()
@@ -127,10 +145,39 @@ class Replica:
     # -- life cycle ----------------------------------------------------------
 
     def start(self) -> None:
-        self.state = "ready"
+        self._take_over_name()
+        self._sync_clock(samples=5)
+        self.state = "ready" if not self.why_not_ready else "not_ready"
+        self._renew_lease()
         self._publish_state()
         self._loop.start()
         self._beat.start()
+
+    def _take_over_name(self) -> None:
+        """A replica restarted under its old name first re-queues what the old one held
+        (after its lease lapses), so the two never share a held hash."""
+        pttl = self.redis.pttl(p.lease_key(self.name))
+        if pttl > 0:
+            time.sleep(pttl / 1000.0)
+        requeued, expired = failover.release_replica(self.redis, self.name, self._min_run_ms())
+        if requeued or expired:
+            log.warning("took over %s: re-queued %d held requests, %d expired", self.name, requeued, expired)
+
+    def _min_run_ms(self) -> float:
+        return self.engine.expected_batch_ms() + self.collector.config.margin_ms
+
+    def _sync_clock(self, samples: int = 1) -> None:
+        """Read the broker's clock; a replica that cannot read it closely is not ready."""
+        if not isinstance(self.clock, BrokerClock):
+            return
+        for _ in range(samples):
+            self.clock.sync()
+        error = self.clock.error_ms
+        self.why_not_ready = (
+            f"clock: offset to the broker known only to {error:.0f} ms (limit {self.max_clock_error_ms:.0f})"
+            if error > self.max_clock_error_ms
+            else ""
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop taking work, run what is buffered, leave the registry."""
@@ -144,6 +191,7 @@ class Replica:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(p.replica_key(self.name)).srem(p.REPLICAS_KEY, self.name)
+            pipe.delete(p.lease_key(self.name), p.held_key(self.name)).srem(p.HOLDERS_KEY, self.name)
             pipe.zrem(p.idle_key(self.model), self.name)
             pipe.zrem(p.launch_key(self.model), self.name)
             pipe.execute()
@@ -188,7 +236,13 @@ class Replica:
         return min(self._pull_at_ms, max(first)) if first and not self._peer_idle else self._pull_at_ms
 
     def submit(self, job: p.Job) -> None:
-        """Buffer one request (called from the consumer's thread)."""
+        """Buffer one request (called from the consumer's thread, right after it took the
+        message from the queue). It goes into the held hash first, so that a sweep can
+        re-queue it if this replica dies: the batching loop may be inside a batch now."""
+        try:
+            self.redis.hset(p.held_key(self.name), job.id, self._held_record(job))
+        except redis.RedisError:
+            log.warning("could not record request %s as held", job.id)
         pending = self._pending(job)
         with self._cond:
             self.collector.add(pending)
@@ -200,13 +254,15 @@ class Replica:
     # -- the loop: wait, take, run, answer -------------------------------------
 
     def _run(self) -> None:
-        while self._wait_until_due():
+        while (due := self._wait()) is not None:
             batch: list[Pending] = []
             try:
-                batch, dropped = self._take()
-                self._settle(batch, dropped)
-                if batch:
-                    self._execute(batch)
+                self.renew_lease_if_due()
+                if due:
+                    batch, dropped = self._take()
+                    batch = self._settle(batch, dropped)
+                    if batch:
+                        self._execute(batch)
             except Exception:  # Redis away, a bad message: never let the loop die
                 log.exception("batching loop error; %d requests in hand", len(batch))
                 self._fail_quietly(batch)
@@ -221,16 +277,41 @@ class Replica:
         except Exception:
             log.exception("could not tell the gateways; their requests end at their deadlines")
 
-    def _wait_until_due(self) -> bool:
-        """Block until a batch is due; False once stopping with nothing left."""
+    def _wait(self) -> bool | None:
+        """Block until a batch is due (True) or the lease needs renewing (False);
+        None once stopping with nothing left."""
         with self._cond:
             while True:
                 wait = self.collector.wait_ms(self.clock.now_ms())
                 if wait is None and self._stopping:
-                    return False
+                    return None
                 if wait == 0 or (wait is not None and self._stopping):
                     return True
-                self._cond.wait(None if wait is None else wait / 1000.0)
+                renew_in = self._renew_at_ms - _monotonic_ms()
+                if renew_in <= 0:
+                    return False
+                self._cond.wait(min(renew_in, wait if wait is not None else renew_in) / 1000.0)
+
+    # -- lease and held records (control/failover.py) ----------------------------------
+
+    def _held_record(self, job: p.Job, message: str | None = None) -> str:
+        queue, waiting = p.queue_key(job.model, job.tier), p.waiting_key(job.model, job.tier)
+        return f"{job.deadline_ms:.0f}|{queue}|{waiting}|{job.key}|{message or self.envelope(job)}"
+
+    def _lease_commands(self, pipe: redis.client.Pipeline) -> None:
+        pipe.set(p.lease_key(self.name), 1, px=int(self.lease_ms))
+        pipe.sadd(p.HOLDERS_KEY, self.name)
+        self._renew_at_ms = _monotonic_ms() + self.lease_ms / 3
+
+    def _renew_lease(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self._lease_commands(pipe)
+        pipe.execute()
+
+    def renew_lease_if_due(self) -> None:
+        """Called by the engine between steps: a batch longer than the lease keeps it."""
+        if _monotonic_ms() >= self._renew_at_ms:
+            self._renew_lease()
 
     def _take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
         with self._cond:
@@ -241,8 +322,10 @@ class Replica:
         reasons, late_paid = self._cancels_and_paid(ids, room)
         dropped: dict[str, list[Pending]] = defaultdict(list)
         with self._cond:
-            for job in late_paid:
-                self.collector.add(self._pending(job))
+            for job, raw in late_paid:
+                pending = self._pending(job)
+                pending.payload.message = raw
+                self.collector.add(pending)
             for pending in self.collector.remove(set(reasons)):
                 dropped[reasons[pending.id]].append(pending)
             now = self.clock.now_ms()
@@ -252,15 +335,20 @@ class Replica:
             if batch:
                 self._ends_at_ms = now + self.engine.expected_batch_ms()
                 self._pull_at_ms = self._ends_at_ms - self.pull_lead_ms
+                self._batch_started = _monotonic_ms()
                 self.busy = True
         return batch, {reason: group for reason, group in dropped.items() if group}
 
-    def _settle(self, batch: list[Pending], dropped: dict[str, list[Pending]]) -> None:
-        """Tell the waiting-room and the gateways which requests left the buffer."""
+    def _settle(self, batch: list[Pending], dropped: dict[str, list[Pending]]) -> list[Pending]:
+        """Tell the waiting-room and the gateways which requests left the buffer, and
+        claim the batch; returns the part of it this replica may run."""
         leaving = batch + [pending for group in dropped.values() for pending in group]
         if not leaving:
-            return
+            return batch
         pipe = self.redis.pipeline(transaction=False)
+        late = {pd.id: self._held_record(held(pd).job, held(pd).message) for pd in batch if held(pd).message}
+        if late:  # paid requests taken straight from the queue at this launch
+            pipe.hset(p.held_key(self.name), mapping=late)
         by_tier: dict[str, list[str]] = defaultdict(list)
         for pending in leaving:
             by_tier[pending.tier].append(pending.id)
@@ -275,28 +363,41 @@ class Replica:
         idle = p.idle_key(self.model)
         if batch:
             now = self.clock.now_ms()
+            self._lease_commands(pipe)
+            claim_ttl = int(max(pd.deadline_ms for pd in batch) - now) + 1000
+            self._claim(args=[self.name, claim_ttl, *(pd.id for pd in batch)], client=pipe)
             pipe.zrem(idle, self.name)
             pipe.zcount(idle, now, "+inf")
             pipe.zadd(p.launch_key(self.model), {self.name: now})
             pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
-        results = pipe.execute()
-        if batch:
-            self._peer_idle = results[-3] > 0
-            self._peer_launches = self._others(results[-1])
+            *_, claimed, _, peers_idle, _, launches = pipe.execute()
+            self._peer_idle = peers_idle > 0
+            self._peer_launches = self._others(launches)
+            batch = self._keep_claimed(batch, claimed)
+        else:
+            pipe.execute()
         for reason, group in dropped.items():
             self.stats.dropped[reason] += len(group)
             self.events.revoked(group, reason)
+        return batch
+
+    def _keep_claimed(self, batch: list[Pending], claimed: list[int]) -> list[Pending]:
+        """A request another live replica claimed first (a re-queued copy) runs there."""
+        if all(claimed):
+            return batch
+        lost = [pd.id for pd, ok in zip(batch, claimed, strict=True) if not ok]
+        log.info("%d requests of the batch run on another replica", len(lost))
+        self.redis.hdel(p.held_key(self.name), *lost)
+        kept = [pd for pd, ok in zip(batch, claimed, strict=True) if ok]
+        if not kept:
+            self.busy = False
+        return kept
 
     def _execute(self, batch: list[Pending]) -> None:
         jobs = [held(pending).job for pending in batch]
         self.events.started(batch)
         start = self.clock.now_ms()
-        try:
-            outputs = self.engine.run(jobs, _Control(self, batch))
-        except Exception as exc:  # the engine failed: every request gets an error, not silence
-            log.exception("batch failed")
-            self._answer_failed(batch, repr(exc))
-            return
+        outputs = self._run_isolating(jobs, _Control(self, batch))
         end = self.clock.now_ms()
         self._answer(jobs, outputs, start, end)
         self.stats.num_batches += 1
@@ -306,9 +407,24 @@ class Replica:
         self.wake()
         self.events.succeeded(batch, (end - start) / 1000.0)
 
+    def _run_isolating(self, jobs: list[p.Job], control: _Control) -> list[Output]:
+        """Run a batch; if the engine raises, find the request that makes it raise by
+        halving, so that it fails alone and the rest of the batch is answered."""
+        try:
+            return self.engine.run(jobs, control)
+        except Exception as exc:
+            if len(jobs) == 1:
+                log.warning("request %s failed in the engine: %r", jobs[0].id, exc)
+                return [Output(jobs[0].id, "", "error", 0, 0, error=f"the engine failed on this request: {exc!r}")]
+            log.warning("a batch of %d failed in the engine (%r); running it in halves", len(jobs), exc)
+            mid = len(jobs) // 2
+            return self._run_isolating(jobs[:mid], control) + self._run_isolating(jobs[mid:], control)
+
     def _answer(self, jobs: list[p.Job], outputs: list[Output], start: float, end: float) -> None:
         results = [
-            p.Result(
+            p.Failed(id=out.id, message=out.error, replica=self.name, per_request=True)
+            if out.error
+            else p.Result(
                 id=out.id,
                 text=out.text,
                 finish_reason=out.finish_reason,
@@ -325,6 +441,7 @@ class Replica:
         pipe = self.redis.pipeline(transaction=False)
         self._reply(pipe, results, jobs)
         self._mark_idle(pipe)
+        self._lease_commands(pipe)
         pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
         self._peer_launches = self._others(pipe.execute()[-1])
         with self._cond:  # the phase of the next batch, now that this one is done
@@ -353,23 +470,21 @@ class Replica:
         pipe.zadd(p.idle_key(self.model), {self.name: stale_at}, xx=refresh_only)
 
     def _reply(self, pipe: redis.client.Pipeline, items: list, jobs: list[p.Job]) -> None:
-        """Queue one reply message per gateway onto `pipe`; forget the owners."""
-        by_gateway: dict[str, list] = defaultdict(list)
+        """Queue the delivery of `items` onto `pipe`: each goes to the gateway that owns
+        its request now, once (control/failover.py, DELIVER_LUA)."""
+        if not jobs:
+            return
+        args: list[object] = [self.name]
         for item, job in zip(items, jobs, strict=True):
-            by_gateway[job.gateway].append(item)
-        for gateway, group in by_gateway.items():
-            key = p.reply_key(gateway)
-            pipe.rpush(key, p.Reply(items=group).model_dump_json())
-            pipe.expire(key, REPLY_TTL_S)
-        if jobs:
-            pipe.delete(*(p.owner_key(job.id) for job in jobs))
+            args += [job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway]
+        self._deliver(args=args, client=pipe)
 
     # -- cancels and the registry -------------------------------------------------
 
     def _cancel_reasons(self, ids: list[str]) -> dict[str, str]:
         return self._cancels_and_paid(ids, 0)[0]
 
-    def _cancels_and_paid(self, ids: list[str], room: int) -> tuple[dict[str, str], list[p.Job]]:
+    def _cancels_and_paid(self, ids: list[str], room: int) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
         if not ids and not room:
             return {}, []
         pipe = self.redis.pipeline(transaction=False)
@@ -384,11 +499,11 @@ class Replica:
         jobs = []
         for raw in raws:
             try:
-                jobs.append(job_from_message(raw))
+                jobs.append((job_from_message(raw), raw.decode()))
             except (ValueError, KeyError, TypeError, IndexError):
                 log.warning("dropping a malformed paid message")
         if jobs:  # rare: late paid requests may have been cancelled while queued
-            late = [job.id for job in jobs]
+            late = [job.id for job, _raw in jobs]
             values = self.redis.mget([p.cancel_key(i) for i in late])
             reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
         return reasons, jobs
@@ -397,11 +512,36 @@ class Replica:
         return list(self._cancel_reasons(list(ids)))
 
     def _heartbeat(self) -> None:
+        stalled_beats = 0
         while not self._stopped.wait(self.heartbeat_s):
+            stalled_beats = stalled_beats + 1 if self._is_stalled() else 0
+            if stalled_beats >= 2:
+                self._give_up_stalled()
             try:
+                self._sync_clock()
+                if self.state in ("ready", "not_ready"):
+                    self.state = "ready" if not self.why_not_ready else "not_ready"
                 self._publish_state()
             except redis.RedisError:
                 log.warning("heartbeat failed")
+
+    def _is_stalled(self) -> bool:
+        """A batch far past its expected time: the engine hangs."""
+        return self.busy and _monotonic_ms() - self._batch_started > self.engine.expected_batch_ms() + self.stall_ms
+
+    def _give_up_stalled(self) -> None:
+        """Say so, then exit: the lease lapses, the held requests are re-queued
+        elsewhere, and the supervisor starts a fresh replica."""
+        log.error(
+            "batch running %.0f ms (expected %.0f): restarting",
+            _monotonic_ms() - self._batch_started,
+            self.engine.expected_batch_ms(),
+        )
+        self.state = "stalled"
+        try:
+            self._publish_state()
+        finally:
+            os._exit(3)
 
     def _publish_state(self) -> None:
         with self._cond:
@@ -417,6 +557,8 @@ class Replica:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "seen_ms": self.clock.now_ms(),
+            "why_not_ready": self.why_not_ready,
+            "clock_offset_ms": round(getattr(self.clock, "offset_ms", 0.0), 1),
             **self.stats.as_fields(),
         }
         key = p.replica_key(self.name)
@@ -431,3 +573,7 @@ class Replica:
 
 def held(pending: Pending) -> Held:
     return pending.payload  # type: ignore[no-any-return]
+
+
+def _monotonic_ms() -> float:
+    return time.monotonic() * 1000.0

@@ -19,7 +19,7 @@ from celery import Celery, Task, bootsteps
 from pydantic import ValidationError
 
 from control import protocol as p
-from control.clock import SystemClock
+from control.clock import BrokerClock, SystemClock
 from control.memory import freeze_startup_objects
 from control.settings import Settings
 from tasks.collector import CollectorConfig, Pending
@@ -122,19 +122,25 @@ class ReplicaStep(bootsteps.StartStopStep):
             )
             import redis
 
-            client = redis.Redis.from_url(s.state_url, socket_timeout=5, socket_connect_timeout=5)
+            from tasks.app import TaskMessages
+
+            client = redis.Redis.from_url(s.state_url, socket_timeout=2, socket_connect_timeout=2)
             self.replica = Replica(
                 c.hostname,
                 spec.model,
                 spec.engine,
                 config,
                 client,
-                SystemClock(),
+                BrokerClock(client, SystemClock(s.clock_skew_ms)),
                 events=CeleryEvents(c),
                 wake=lambda: c.call_soon(_noop),
                 pull_lead_ms=s.pull_lead_ms,
                 heartbeat_s=s.heartbeat_s,
                 ttl_s=s.replica_ttl_s,
+                envelope=TaskMessages(c.app),
+                lease_ms=s.lease_ms,
+                stall_ms=s.stall_ms,
+                max_clock_error_ms=s.max_clock_error_ms,
             )
             self.replica.start()
             _gate_consumer(c, self.replica)

@@ -1,0 +1,204 @@
+"""What keeps a request alive when the replica holding it dies: leases, held records,
+claims, the sweep that re-queues, and the delivery where the first answer wins.
+
+Every piece is one Lua script, so each step is atomic on the broker:
+
+- A replica holds a *lease* (`kb:lease:<replica>`, a few hundred ms, renewed by its
+  batching loop) and records each request it takes from the queue in its *held* hash
+  (`kb:held:<replica>`: attempt id -> deadline, queue, waiting set, request key, message).
+- Before a batch runs, the replica *claims* each request (`kb:claim:<attempt>`). A claim
+  held by a replica whose lease is alive cannot be taken: a re-queued copy never runs
+  while its first copy is running on a live replica.
+- When a lease lapses, `SWEEP` puts every held request that is still wanted back at the
+  front of its queue, or answers it `expired` (504) when its deadline leaves no time for
+  another batch. The held hash goes in the same step, so two sweepers cannot re-queue
+  a request twice. Gateways run it for every lapsed lease (every 100 ms); the supervisor
+  runs it for a replica it saw die, at once.
+- `DELIVER` routes each answer to the gateway that owns the request *now* (a retry may
+  have moved it) and deletes the owner in the same step: a second answer for the same
+  request finds no owner and is counted as wasted work, never sent.
+
+The owner value is "<gateway>|<waiting set>|<tenant>|<attempt id>"; see api/gateway.py.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from control import protocol as p
+
+# Shared helpers: split an owner value, and cancel a request in flight (tell its gateway).
+LUA_LIB = """
+local function owner_parts(owner)
+  local a = string.find(owner, '|', 1, true)
+  local b = string.find(owner, '|', a + 1, true)
+  local c = string.find(owner, '|', b + 1, true)
+  return owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1, c - 1), owner:sub(c + 1)
+end
+
+local function notify(gateway, item)
+  local key = 'kb:reply:' .. gateway
+  redis.call('RPUSH', key, '{"items":[' .. item .. ']}')
+  redis.call('EXPIRE', key, REPLY_TTL_S)
+end
+
+-- Cancel the request with this key ('' tenant or attempt: any), tell its gateway.
+local function cancel(key, reason, tenant, attempt)
+  local owner = redis.call('GET', 'kb:req:' .. key)
+  if not owner then return 0 end
+  local gateway, waiting, who, att = owner_parts(owner)
+  if tenant ~= '' and tenant ~= who then return 0 end
+  if attempt ~= '' and attempt ~= att then return 0 end
+  redis.call('SET', 'kb:cancel:' .. att, reason, 'PX', CANCEL_TTL_MS)
+  redis.call('DEL', 'kb:req:' .. key)
+  redis.call('ZREM', waiting, att)
+  notify(gateway, cjson.encode({kind = 'cancelled', id = att, reason = reason}))
+  return 1
+end
+
+local function lease_alive(replica)
+  return redis.call('EXISTS', 'kb:lease:' .. replica) == 1
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+""".replace("REPLY_TTL_S", str(p.REPLY_TTL_S)).replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
+
+_SWEEP_FN = """
+-- Re-queue or expire what a replica without a lease held; {-1, 0} if its lease is alive.
+local function sweep(holder, min_ms)
+  if lease_alive(holder) then return {-1, 0} end
+  local held = redis.call('HGETALL', 'kb:held:' .. holder)
+  local now = now_ms()
+  local requeued, expired = 0, 0
+  for i = 1, #held, 2 do
+    local id, rec = held[i], held[i + 1]
+    local a = string.find(rec, '|', 1, true)
+    local b = string.find(rec, '|', a + 1, true)
+    local c = string.find(rec, '|', b + 1, true)
+    local d = string.find(rec, '|', c + 1, true)
+    local deadline, queue = tonumber(rec:sub(1, a - 1)), rec:sub(a + 1, b - 1)
+    local waiting, key, message = rec:sub(b + 1, c - 1), rec:sub(c + 1, d - 1), rec:sub(d + 1)
+    local owner = redis.call('GET', 'kb:req:' .. key)
+    if owner then
+      local _, _, _, att = owner_parts(owner)
+      local claim = redis.call('GET', 'kb:claim:' .. id)
+      if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
+        -- answered or retried under another attempt, or running on a live replica
+      elseif deadline - now >= min_ms then
+        redis.call('DEL', 'kb:claim:' .. id)
+        redis.call('RPUSH', queue, message)  -- the consumer pops from the right: the front
+        redis.call('ZADD', waiting, deadline, id)
+        requeued = requeued + 1
+      else
+        expired = expired + cancel(key, 'expired', '', id)
+      end
+    end
+  end
+  redis.call('DEL', 'kb:held:' .. holder)
+  redis.call('SREM', 'kb:holders', holder)
+  return {requeued, expired}
+end
+"""
+
+# ARGV: replica, min ms a request needs to still finish.
+SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
+
+# ARGV: min ms. Sweeps every holder whose lease lapsed; returns {holders, requeued, expired}.
+SWEEP_DEAD_LUA = (
+    LUA_LIB
+    + _SWEEP_FN
+    + """
+local swept, requeued, expired = 0, 0, 0
+for _, holder in ipairs(redis.call('SMEMBERS', 'kb:holders')) do
+  local r = sweep(holder, tonumber(ARGV[1]))
+  if r[1] >= 0 then
+    swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
+  end
+end
+return {swept, requeued, expired}
+"""
+)
+
+# ARGV: replica, claim ttl ms, attempt ids...; returns 1 (claimed) or 0 per id.
+CLAIM_LUA = (
+    LUA_LIB
+    + """
+local me, out = ARGV[1], {}
+for i = 3, #ARGV do
+  local key = 'kb:claim:' .. ARGV[i]
+  local holder = redis.call('GET', key)
+  if not holder or holder == me or not lease_alive(holder) then
+    redis.call('SET', key, me, 'PX', ARGV[2])
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
+# ARGV: replica, then per item: request key, attempt, keep ms, kind, item JSON, fallback gateway.
+# Returns {delivered, wasted}. An answer goes to the gateway that owns the request now;
+# a drop notice whose request has no owner (a cancel took it) still reaches the gateway
+# that admitted it, for its counters; any other item without an owner is wasted work.
+DELIVER_LUA = (
+    LUA_LIB
+    + """
+local holder = ARGV[1]
+local out, order = {}, {}
+local delivered, wasted = 0, 0
+for i = 2, #ARGV, 6 do
+  local key, att, keep, kind, item, fallback = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]),
+    ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
+  local gateway = nil
+  local owner = redis.call('GET', 'kb:req:' .. key)
+  if owner then
+    local gw, _, _, owner_att = owner_parts(owner)
+    if owner_att == att then
+      gateway = gw
+      redis.call('DEL', 'kb:req:' .. key)
+      if keep > 0 and kind == 'result' then
+        redis.call('SET', 'kb:done:' .. key, item, 'PX', keep)
+      end
+      delivered = delivered + 1
+    end
+  end
+  if not gateway and kind == 'dropped' then
+    gateway = fallback
+  elseif not gateway and kind == 'result' then
+    wasted = wasted + 1
+  end
+  if gateway then
+    if not out[gateway] then
+      out[gateway] = {}
+      order[#order + 1] = gateway
+    end
+    table.insert(out[gateway], item)
+  end
+  redis.call('HDEL', 'kb:held:' .. holder, att)
+end
+for _, gateway in ipairs(order) do
+  notify(gateway, table.concat(out[gateway], ','))
+end
+if wasted > 0 then redis.call('INCRBY', 'kb:stats:wasted', wasted) end
+return {delivered, wasted}
+"""
+)
+
+
+def release_replica(client: redis.Redis, name: str, min_ms: float = 265.0) -> tuple[int, int]:
+    """A replica is known dead (its supervisor saw it exit): drop its lease and re-queue
+    what it held now, rather than when the lease would have lapsed. (requeued, expired)"""
+    client.delete(p.lease_key(name))
+    requeued, expired = client.register_script(SWEEP_ONE_LUA)(args=[name, min_ms])  # type: ignore[misc]
+    return max(0, int(requeued)), int(expired)
+
+
+def sweep_dead(client: redis.Redis, min_ms: float) -> tuple[int, int, int]:
+    """Sweep every replica whose lease lapsed: (replicas swept, requeued, expired)."""
+    swept, requeued, expired = client.register_script(SWEEP_DEAD_LUA)(args=[min_ms])  # type: ignore[misc]
+    return int(swept), int(requeued), int(expired)
