@@ -1,0 +1,140 @@
+"""A replica that dies or hangs loses no request; a poison prompt fails alone; a replica's
+clock may disagree; a stalled broker answers 503 at once and service returns by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+import requests
+
+from tests.conftest import MODEL, Deployment, deployment
+
+BUDGET = {"X-Deadline-Ms": "2000"}
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Deployment]:
+    with deployment(workers=2, fixed_poison="POISON") as d:
+        yield d
+
+
+def _burst(kb: Deployment, n: int, **headers: str) -> list:
+    pool = ThreadPoolExecutor(n)
+    return [pool.submit(kb.post, {"model": MODEL, "prompt": f"def f{i}():\n"}, **headers) for i in range(n)]
+
+
+def _held(kb: Deployment) -> dict[str, int]:
+    state = redis.Redis.from_url(kb.system.redis_url)
+    return {k.decode(): state.hlen(k) for k in state.keys("kb:held:*")}
+
+
+def _until(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _replica_for(kb: Deployment, pid: int) -> str:
+    state = redis.Redis.from_url(kb.system.redis_url)
+    for name in state.smembers("kb:replicas"):
+        if state.hget(f"kb:replica:{name.decode()}", "pid") == str(pid).encode():
+            return name.decode()
+    raise AssertionError(f"no replica with pid {pid}")
+
+
+def test_a_replica_killed_mid_batch_loses_no_request() -> None:
+    with deployment(workers=2) as kb:
+        victim = kb.system.workers[0]
+        name = _replica_for(kb, victim.pid)
+        futures = _burst(kb, 60, **BUDGET)
+        assert _until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)  # it holds some of them
+        victim.send_signal(signal.SIGKILL)
+        answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
+        assert all(a.json()["keybatch"]["replica"] != name or a.elapsed.total_seconds() < 2 for a in answers)
+        assert len({a.json()["id"] for a in answers}) == 60
+        assert f"kb:held:{name}" not in _held(kb)  # swept
+
+
+def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None:
+    with deployment(workers=2) as kb:
+        victim = kb.system.workers[0]
+        name = _replica_for(kb, victim.pid)
+        futures = _burst(kb, 60, **BUDGET)
+        assert _until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            answers = [f.result() for f in futures]
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
+        # Back from its pause, it runs what it still had: those answers are counted as waste, never sent.
+        assert _until(lambda: kb.metric("keybatch_wasted_results_total") > 0, 5)
+        assert kb.post().status_code == 200
+
+
+def test_a_poison_prompt_fails_alone(fleet: Deployment) -> None:
+    pool = ThreadPoolExecutor(8)
+    prompts = [f"ok {i}" for i in range(7)] + ["this is POISON"]
+    answers = list(pool.map(lambda p: fleet.post({"model": MODEL, "prompt": p}), prompts))
+    assert [a.status_code for a in answers] == [200] * 7 + [422]
+    assert answers[-1].json()["error"]["code"] == "engine_error"
+    assert max(a.json()["keybatch"]["batch_size"] for a in answers[:7]) > 1  # batched with it
+
+
+def test_a_replica_whose_clock_is_off_still_meets_deadlines(fleet: Deployment) -> None:
+    """Deadlines are read on the broker's clock, so a replica 400 ms ahead serves as usual."""
+    env = {**os.environ, "KEYBATCH_REDIS_URL": fleet.system.redis_url, "KEYBATCH_CLOCK_SKEW_MS": "400"}
+    env["KEYBATCH_MODELS"] = json.dumps({MODEL: MODEL})
+    cmd = [sys.executable, "-m", "control", "worker", "--model", MODEL, "--name", "skewed@test"]
+    skewed = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for worker in fleet.system.workers:  # the skewed replica alone serves
+            worker.send_signal(signal.SIGSTOP)
+        state = redis.Redis.from_url(fleet.system.redis_url)
+        assert _until(lambda: state.exists("kb:lease:skewed@test") and len(state.keys("kb:lease:*")) == 1, 15)
+        assert _until(lambda: fleet.post().status_code == 200, 5)
+        answers = [f.result() for f in _burst(fleet, 10)]
+        assert [a.status_code for a in answers] == [200] * 10
+        assert {a.json()["keybatch"]["replica"] for a in answers} == {"skewed@test"}
+        offset = float(state.hget("kb:replica:skewed@test", "clock_offset_ms") or 0)
+        assert -450 < offset < -350  # it knows how far off it is
+    finally:
+        for worker in fleet.system.workers:
+            worker.send_signal(signal.SIGCONT)
+        skewed.terminate()
+        skewed.wait(30)
+
+
+def test_a_stalled_broker_answers_503_at_once_and_service_returns_by_itself(fleet: Deployment) -> None:
+    assert fleet.system.broker is not None
+    pid = fleet.system.broker.server.pid
+    waiting = _burst(fleet, 10, **{"X-Deadline-Ms": "5000"})
+    time.sleep(0.05)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.3)  # noticed by then
+        during = []
+        for _ in range(5):
+            start = time.monotonic()
+            during.append((fleet.post().status_code, time.monotonic() - start))
+        held = [f.result(10).status_code for f in waiting]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert {code for code, _ in during} == {503}
+    assert max(t for _, t in during) < 0.2
+    assert set(held) <= {200, 503}
+    assert _until(lambda: fleet.post().status_code == 200, 5)
+    assert requests.get(f"{fleet.url}/readyz", timeout=5).status_code == 200
