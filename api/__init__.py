@@ -28,7 +28,7 @@ class OrjsonProvider(JSONProvider):
 
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the gateway app; the serving process starts its listener on first use."""
-    from api import completions, errors, ops
+    from api import completions, errors, openapi, ops
     from api.gateway import Gateway
     from tasks.app import make_celery
 
@@ -50,4 +50,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     errors.init_app(app)
     app.register_blueprint(completions.bp)
     app.register_blueprint(ops.bp)
+    app.register_blueprint(openapi.bp)
     return app

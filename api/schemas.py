@@ -7,10 +7,28 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def _document_leniency(schema: dict[str, Any]) -> None:
+    """What the validators below accept, written into the JSON schema (the OpenAPI document
+    is generated from it): null for any option, a prompt as a one-string array, n only 1, and
+    up to 4 non-empty stop strings."""
+    props = schema["properties"]
+    props["n"]["const"] = 1
+    props["stop"]["anyOf"][1].update(items={"type": "string", "minLength": 1}, maxItems=4)
+    props["prompt"] = {
+        "title": props["prompt"].get("title", "Prompt"),
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}],
+    }
+    for name, prop in props.items():
+        if name in schema["required"] or any(alt.get("type") == "null" for alt in prop.get("anyOf", [])):
+            continue
+        kept = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        props[name] = {**kept, "anyOf": [prop, {"type": "null"}]}
+
+
 class CompletionRequest(BaseModel):
     """OpenAI's completions body; fields OpenAI has and keybatch ignores are accepted."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_document_leniency)
 
     model: str = Field(min_length=1, max_length=128)
     prompt: str
