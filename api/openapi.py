@@ -88,8 +88,11 @@ def _create_completion(settings: Settings) -> Schema:
             "400": _error("Invalid body, option or header."),
             "401": _error("Missing or invalid API key."),
             "404": _error("Unknown model."),
-            "409": _error("Cancelled, superseded, or the request id is already in flight."),
+            "409": _error(
+                "Cancelled, superseded by a newer request of the session, or taken over by a retry with the same id."
+            ),
             "413": _error("Prompt and suffix longer than the limit, or a body too large."),
+            "422": _error("The engine could not run this prompt (the rest of its batch was answered)."),
             "429": _error("Overloaded: the queue is too deep to meet the deadline.", retry_after=True),
             "503": _error("No replica serves the model, the broker is down, or the gateway is stopping.", True),
             "504": _error("The deadline passed, or is shorter than one batch."),
