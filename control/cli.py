@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=SETTINGS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    up.add_argument("--workers", type=int, default=2, help="model replicas (default 2)")
+    up.add_argument("--workers", type=int, default=None, help="model replicas (default 2 per model served)")
     up.add_argument("--backend", choices=["fixed", "hf"], default="fixed")
     up.add_argument("--policy", choices=["static", "continuous"], default="static")
     up.add_argument("--models", default="", help="comma-separated model names (default: all configured)")
@@ -65,14 +65,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _up(settings: Settings, args: argparse.Namespace) -> int:
-    from control.up import Plan, System
+    from control.up import Plan, PlanError, System
 
     if args.backend != "fixed" or args.policy != "static":
         print("only --backend fixed --policy static exist so far (the hf engine is the next issue)", file=sys.stderr)
         return 2
     models = [m for m in args.models.split(",") if m]
     plan = Plan(workers=args.workers, backend=args.backend, policy=args.policy, models=models, port=settings.port)
-    system = System(settings, plan)
+    try:
+        system = System(settings, plan)
+    except PlanError as exc:
+        print(f"keybatch up: {exc}", file=sys.stderr)
+        return 2
     system.start()
     print(f"keybatch ready: {system.url}", flush=True)
     return system.wait()

@@ -1,8 +1,11 @@
 """`keybatch up`: broker, replicas and gateway as child processes, in the foreground.
 
+A child that dies is restarted with backoff while the rest keep serving; a dead
+replica's lease is released first, so what it held is served by the others.
 Stopping (Ctrl-C or SIGTERM) goes front to back: the gateway stops accepting and
 finishes the requests it holds, then the replicas finish what they buffered,
-then the broker stops. Nothing is left running.
+then the broker stops. Every child gets SIGTERM if the supervisor dies, even by
+SIGKILL, so nothing is left running (docs/supervisor.md).
 """
 
 from __future__ import annotations
@@ -17,23 +20,89 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Literal
 
-from control.broker import EmbeddedBroker
+from control.broker import EmbeddedBroker, child_of
 from control.settings import Settings
+
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 10.0
+HEALTHY_AFTER_S = 30.0  # a child that lived this long restarts at the first delay again
+POLL_S = 0.1  # SIGCHLD wakes the loop on a death; this bounds a missed one
+RELEASE_TIMEOUT_S = 0.5
+REPLICAS_PER_MODEL = 2  # the default: one can die or restart while the other serves
+
+
+class PlanError(ValueError):
+    """A deployment that cannot serve what it was asked to (a usage error)."""
 
 
 @dataclass
 class Plan:
-    workers: int = 2
+    workers: int | None = None  # None: REPLICAS_PER_MODEL per model
     backend: str = "fixed"
     policy: str = "static"
     models: list[str] = field(default_factory=list)
     port: int = 8000
     quiet: bool = False
 
+    def num_workers(self) -> int:
+        return self.workers if self.workers is not None else REPLICAS_PER_MODEL * len(self.models)
+
     def replica_models(self) -> list[str]:
         """Spread the workers over the models, round robin."""
-        return [self.models[i % len(self.models)] for i in range(self.workers)]
+        return [self.models[i % len(self.models)] for i in range(self.num_workers())]
+
+    def models_without_replica(self) -> list[str]:
+        return [m for m in self.models if m not in self.replica_models()]
+
+
+def check_plan(settings: Settings, plan: Plan) -> None:
+    """Fill in the models (all configured) and refuse a plan that cannot serve them."""
+    if not plan.models:
+        plan.models = list(settings.models)
+    unknown = [m for m in plan.models if m not in settings.models]
+    if unknown:
+        raise PlanError(f"unknown model(s) {', '.join(unknown)}; configured: {', '.join(settings.models)}")
+    bare = plan.models_without_replica()
+    if bare:
+        raise PlanError(
+            f"--workers {plan.num_workers()} leaves {', '.join(bare)} without a replica: "
+            f"{len(plan.models)} models need at least {len(plan.models)} "
+            f"(the default is {REPLICAS_PER_MODEL} per model)"
+        )
+
+
+@dataclass
+class Backoff:
+    delay_s: float = RESTART_FIRST_S
+
+    def after_death(self, lived_s: float) -> float:
+        """The wait before the next restart: doubling, reset by a long enough life."""
+        if lived_s >= HEALTHY_AFTER_S:
+            self.delay_s = RESTART_FIRST_S
+        delay = self.delay_s
+        self.delay_s = min(delay * 2, RESTART_MAX_S)
+        return delay
+
+
+Kind = Literal["replica", "gateway", "broker"]
+
+
+@dataclass
+class Child:
+    """One supervised place: a replica (its index in `System.workers`), the gateway or the broker."""
+
+    kind: Kind
+    name: str
+    index: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while it is dead
+    backoff: Backoff = field(default_factory=Backoff)
+
+    @property
+    def label(self) -> str:
+        return f"replica {self.name}" if self.kind == "replica" else self.kind
 
 
 class System:
@@ -42,16 +111,15 @@ class System:
     def __init__(self, settings: Settings, plan: Plan) -> None:
         self.settings = settings
         self.plan = plan
-        if not plan.models:
-            plan.models = list(settings.models)
-        unknown = [m for m in plan.models if m not in settings.models]
-        if unknown:
-            raise SystemExit(f"unknown model(s) {', '.join(unknown)}; configured: {', '.join(settings.models)}")
+        check_plan(settings, plan)
         self.broker: EmbeddedBroker | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
+        self.children: list[Child] = []
         self.redis_url = settings.redis_url
         self.url = f"http://{settings.host}:{plan.port}"
+        # Children log to stderr; stdout carries only `keybatch ready: URL`.
+        self.out = subprocess.DEVNULL if plan.quiet else sys.stderr
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -65,31 +133,49 @@ class System:
 
     def start(self, timeout_s: float = 60.0) -> None:
         if self.redis_url is None:
-            self.broker = EmbeddedBroker()
+            self.broker = EmbeddedBroker(out=self.out)
             self.redis_url = self.broker.start()
-        env = self.env()
-        # Children log to stderr; stdout carries only `keybatch ready: URL`.
-        out = subprocess.DEVNULL if self.plan.quiet else sys.stderr
+            self.children.append(Child("broker", "embedded Valkey", started_at=time.monotonic()))
         host = socket.gethostname()
-        for i, model in enumerate(self.plan.replica_models(), start=1):
-            cmd = [
-                sys.executable,
-                "-m",
-                "control",
-                "worker",
-                "--model",
-                model,
-                "--backend",
-                self.plan.backend,
-                "--policy",
-                self.plan.policy,
-                "--name",
-                f"{model}-{i}@{host}",
-            ]
-            self.workers.append(_spawn(cmd, env, out))
-        cmd = [sys.executable, "-m", "control", "api", "--port", str(self.plan.port)]
-        self.gateway = _spawn(cmd, env, out)
+        for i, model in enumerate(self.plan.replica_models()):
+            self.children.append(Child("replica", f"{model}-{i + 1}@{host}", index=i))
+        self.children.append(Child("gateway", "gateway"))
+        for child in self.children:
+            if child.kind != "broker":
+                self._spawn(child)
         self._wait_ready(timeout_s)
+
+    def _replica_cmd(self, child: Child) -> list[str]:
+        model = self.plan.replica_models()[child.index]
+        return [
+            *[sys.executable, "-m", "control", "worker"],
+            *["--model", model, "--backend", self.plan.backend, "--policy", self.plan.policy],
+            *["--name", child.name],
+        ]
+
+    def _spawn(self, child: Child) -> None:
+        """Start the child's process and put it in its place (replaces a dead one)."""
+        if child.kind == "broker":
+            assert self.broker is not None
+            self.broker.start()
+        elif child.kind == "replica":
+            proc = _spawn(self._replica_cmd(child), self.env(), self.out)
+            if child.index < len(self.workers):
+                self.workers[child.index] = proc
+            else:
+                self.workers.append(proc)
+        else:
+            cmd = [sys.executable, "-m", "control", "api", "--port", str(self.plan.port)]
+            self.gateway = _spawn(cmd, self.env(), self.out)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+
+    def _proc(self, child: Child) -> subprocess.Popen[bytes] | None:
+        if child.kind == "broker":
+            return self.broker.process if self.broker is not None else None
+        if child.kind == "replica":
+            return self.workers[child.index]
+        return self.gateway
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -124,34 +210,113 @@ class System:
         return killed
 
     def wait(self) -> int:
-        """Serve in the foreground until Ctrl-C or SIGTERM; then stop everything."""
+        """Serve in the foreground, restarting what dies, until Ctrl-C or SIGTERM; then stop everything."""
         # Taken synchronously, not by a handler: a handler that takes a lock
         # (Event.set) deadlocked when a second signal landed inside it, as the two
         # SIGTERMs of `timeout` (child, then group) did. Blocked signals stay pending.
+        # SIGCHLD is taken the same way, to notice a death at once.
         stop_signals = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        while signal.sigtimedwait(stop_signals, 0.5) is None:
-            dead = [proc for proc in [*self.workers, self.gateway] if proc and proc.poll() is not None]
-            if dead:
-                print(f"keybatch: a process exited unexpectedly: {dead[0].args}", file=sys.stderr)
-                self.stop()
-                return 1
+        waited = stop_signals | {signal.SIGCHLD}
+        signal.pthread_sigmask(signal.SIG_BLOCK, waited)
+        while True:
+            info = signal.sigtimedwait(waited, self._next_wake_s(time.monotonic()))
+            if info is not None and info.si_signo in stop_signals:
+                break
+            self.heal()
         print("keybatch: stopping (finishing requests in flight)", flush=True)
         return 1 if self.stop() else 0
+
+    def _next_wake_s(self, now: float) -> float:
+        due = [c.restart_at - now for c in self.children if c.restart_at is not None]
+        return max(0.001, min([POLL_S, *due]))
+
+    def heal(self) -> None:
+        """Notice the children that died; restart those whose backoff has passed."""
+        for child in self.children:
+            if child.restart_at is None:
+                proc = self._proc(child)
+                code = proc.poll() if proc is not None else -1
+                if code is not None:
+                    self._on_death(child, proc, code)
+            elif time.monotonic() >= child.restart_at:
+                self._restart(child)
+
+    def _on_death(self, child: Child, proc: subprocess.Popen[bytes] | None, code: int) -> None:
+        now = time.monotonic()
+        delay = child.backoff.after_death(now - child.started_at)
+        pid = proc.pid if proc is not None else 0
+        _log(f"{child.label} (pid {pid}) died ({_exit_reason(code)}) after {now - child.started_at:.1f} s")
+        if child.kind != "broker" and pid:
+            _end_group(pid)
+        if child.kind == "replica":
+            self._replica_died(child.name)
+        child.restart_at = time.monotonic() + delay
+        _log(f"{child.label}: restarting in {delay:.1f} s")
+
+    def _restart(self, child: Child) -> None:
+        try:
+            self._spawn(child)
+        except Exception as exc:  # noqa: BLE001 (a failed restart is retried, never fatal)
+            delay = child.backoff.after_death(0.0)
+            child.restart_at = time.monotonic() + delay
+            _log(f"{child.label}: restart failed ({exc}); next try in {delay:.1f} s")
+            return
+        proc = self._proc(child)
+        _log(f"{child.label} restarted (pid {proc.pid if proc else 0})")
+
+    def _replica_died(self, name: str) -> None:
+        """Release the dead replica's lease, so what it held is served by the others."""
+        # Whatever this raises is logged: the supervisor keeps supervising.
+        try:
+            from control.failover import release_replica  # type: ignore[import-not-found, unused-ignore]
+        except ImportError:
+            return  # no failover in this build: nothing to release
+        except Exception as exc:  # noqa: BLE001
+            _log(f"replica {name}: release failed (import): {exc!r}")
+            return
+        import redis
+
+        assert self.redis_url is not None
+        client = redis.Redis.from_url(
+            self.redis_url, socket_timeout=RELEASE_TIMEOUT_S, socket_connect_timeout=RELEASE_TIMEOUT_S
+        )
+        try:
+            released = release_replica(client, name)
+            _log(f"replica {name}: released {released}")
+        except Exception as exc:  # noqa: BLE001
+            _log(f"replica {name}: release failed: {exc!r}")
+        finally:
+            client.close()
+
+
+def _log(line: str) -> None:
+    print(f"keybatch: {line}", file=sys.stderr, flush=True)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+def _end_group(pgid: int) -> None:
+    """SIGTERM what the dead child left in its process group (a dead gunicorn
+    master's workers): they finish what they hold and free the port."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _spawn(cmd: list[str], env: dict[str, str], out: object) -> subprocess.Popen[bytes]:
     """A child in its own session (Ctrl-C reaches only the supervisor, which stops the
     children in order) that gets SIGTERM if the supervisor dies without stopping it."""
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=_term_with_parent)
-
-
-def _term_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    return subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=child_of(os.getpid())
+    )
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> int:
