@@ -11,7 +11,8 @@ Every piece is one Lua script, so each step is atomic on the broker:
   while its first copy is running on a live replica.
 - When a lease lapses, `SWEEP` puts every held request that is still wanted back at the
   front of its queue, or answers it `expired` (504) when its deadline leaves no time for
-  another batch. The held hash goes in the same step, so two sweepers cannot re-queue
+  another batch (or when it was re-queued `MAX_REQUEUES` times already: a prompt that
+  kills replicas must not kill them all). The held hash goes in the same step, so two sweepers cannot re-queue
   a request twice. Gateways run it for every lapsed lease (every 100 ms); the supervisor
   runs it for a replica it saw die, at once.
 - `DELIVER` routes each answer to the gateway that owns the request *now* (a retry may
@@ -66,6 +67,9 @@ local function now_ms()
 end
 """.replace("REPLY_TTL_S", str(p.REPLY_TTL_S)).replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
 
+# A request whose replica died this many times is a likely cause, not a victim: it ends 504.
+MAX_REQUEUES = 2
+
 _SWEEP_FN = """
 -- Re-queue or expire what a replica without a lease held; {-1, 0} if its lease is alive.
 local function sweep(holder, min_ms)
@@ -87,7 +91,8 @@ local function sweep(holder, min_ms)
       local claim = redis.call('GET', 'kb:claim:' .. id)
       if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
         -- answered or retried under another attempt, or running on a live replica
-      elseif deadline - now >= min_ms then
+      elseif deadline - now >= min_ms and redis.call('INCR', 'kb:requeued:' .. id) <= MAX_REQUEUES then
+        redis.call('PEXPIRE', 'kb:requeued:' .. id, deadline - now + 1000)
         redis.call('DEL', 'kb:claim:' .. id)
         redis.call('RPUSH', queue, message)  -- the consumer pops from the right: the front
         redis.call('ZADD', waiting, deadline, id)
@@ -99,9 +104,16 @@ local function sweep(holder, min_ms)
   end
   redis.call('DEL', 'kb:held:' .. holder)
   redis.call('SREM', 'kb:holders', holder)
+  local model = redis.call('HGET', 'kb:replica:' .. holder, 'model')
+  if model then  -- peers must not count it as idle or running any more
+    redis.call('ZREM', 'kb:idle:' .. model, holder)
+    redis.call('ZREM', 'kb:launch:' .. model, holder)
+  end
   return {requeued, expired}
 end
 """
+
+_SWEEP_FN = _SWEEP_FN.replace("MAX_REQUEUES", str(MAX_REQUEUES))
 
 # ARGV: replica, min ms a request needs to still finish.
 SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
