@@ -99,7 +99,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     if args.backend != "fixed" or args.policy != "static":
         print("only --backend fixed --policy static exist so far (the hf engine is the next issue)", file=sys.stderr)
         return 2
-    engine = FixedLatencyEngine(settings.max_batch, settings.batch_ms, settings.fixed_poison)
+    engine = FixedLatencyEngine(settings.max_batch, settings.batch_ms, settings.fixed_poison, settings.fixed_hang)
     name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"
     run_worker(settings, args.model, engine, name, loglevel=args.loglevel)
     return 0

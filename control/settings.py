@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     fixed_poison: str | None = Field(
         None, description="fixed backend, fault injection: a prompt containing this fails in the engine"
     )
+    fixed_hang: str | None = Field(
+        None, description="fixed backend, fault injection: a batch with a prompt containing this hangs"
+    )
     max_wait_ms: float = Field(20.0, ge=0, description="cap on how long a free replica waits to fill")
     paid_boost_ms: float = Field(
         300.0, ge=0, description="aging: a free request waiting this long ranks with a new paid one"

@@ -106,10 +106,11 @@ class FixedLatencyEngine:
 
     STEP_MS = 50.0  # the simulated accelerator reports between steps of this length
 
-    def __init__(self, max_batch: int, batch_ms: float, poison: str | None = None) -> None:
+    def __init__(self, max_batch: int, batch_ms: float, poison: str | None = None, hang: str | None = None) -> None:
         self.max_batch = max_batch
         self.batch_ms = batch_ms
         self.poison = poison  # fault injection: a prompt containing this fails in the engine
+        self.hang = hang  # fault injection: a batch with a prompt containing this never ends
         self._stop = threading.Event()
 
     def expected_batch_ms(self) -> float:
@@ -118,6 +119,8 @@ class FixedLatencyEngine:
     def run(self, jobs: list[Job], control: BatchControl) -> list[Output]:
         if len(jobs) > self.max_batch:
             raise ValueError(f"batch of {len(jobs)} exceeds max_batch {self.max_batch}")
+        if self.hang and any(self.hang in job.prompt for job in jobs):
+            self._stop.wait()  # hung: no step ends, nobody is told
         # The simulated accelerator is busy for the batch time, in steps (an Event wait
         # rather than a bare sleep so a hard stop can interrupt it).
         end = time.monotonic() + self.batch_ms / 1000.0
