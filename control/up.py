@@ -71,6 +71,8 @@ class System:
         # Children log to stderr; stdout carries only `keybatch ready: URL`.
         out = subprocess.DEVNULL if self.plan.quiet else sys.stderr
         host = socket.gethostname()
+        # Replicas of two regions on one host (tests, demos) must not share names.
+        region = "" if self.settings.region == "local" else f".{self.settings.region}"
         for i, model in enumerate(self.plan.replica_models(), start=1):
             cmd = [
                 sys.executable,
@@ -84,7 +86,7 @@ class System:
                 "--policy",
                 self.plan.policy,
                 "--name",
-                f"{model}-{i}@{host}",
+                f"{model}-{i}{region}@{host}",
             ]
             self.workers.append(_spawn(cmd, env, out))
         cmd = [sys.executable, "-m", "control", "api", "--port", str(self.plan.port)]
