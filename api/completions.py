@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 from pydantic import ValidationError
 
+from api import peers
 from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
 from api.schemas import CompletionRequest
@@ -136,6 +137,9 @@ def create_completion() -> Response:
     try:
         waiter = gw.submit(job, request_id, session_key)
     except ApiError as err:
+        forwarded = peers.forward(gw, job, err)  # another region, when this one cannot serve it
+        if forwarded is not None:
+            return forwarded
         gw.metrics.requests.labels(job.model, tier, str(err.status)).inc()
         raise
     if req.stream:

@@ -86,12 +86,23 @@ class Settings(BaseSettings):
     )
     clock_skew_ms: float = Field(0.0, description="testing only: shift this process's wall clock")
 
+    # Regions: a gateway that cannot serve a request forwards it to these, in order.
+    region: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="this deployment's region name")
+    peers: list[str] = Field(default_factory=list, description="peer regions' gateway base URLs (JSON list)")
+
     @field_validator("redis_url", "broker_url")
     @classmethod
     def _check_url(cls, url: str | None) -> str | None:
         if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must be a redis://, rediss:// or unix:// URL")
         return url
+
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, urls: list[str]) -> list[str]:
+        if any(not url.startswith(("http://", "https://")) for url in urls):
+            raise ValueError("each peer must be an http:// or https:// base URL")
+        return [url.rstrip("/") for url in urls]
 
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:

@@ -137,8 +137,10 @@ class System:
             self.redis_url = self.broker.start()
             self.children.append(Child("broker", "embedded Valkey", started_at=time.monotonic()))
         host = socket.gethostname()
+        # Replicas of two regions on one host (tests, demos) must not share names.
+        region = "" if self.settings.region == "local" else f".{self.settings.region}"
         for i, model in enumerate(self.plan.replica_models()):
-            self.children.append(Child("replica", f"{model}-{i + 1}@{host}", index=i))
+            self.children.append(Child("replica", f"{model}-{i + 1}{region}@{host}", index=i))
         self.children.append(Child("gateway", "gateway"))
         for child in self.children:
             if child.kind != "broker":
