@@ -145,7 +145,13 @@ def create_completion() -> Response:
     if req.stream:
         return _stream(gw, waiter)
     gw.wait(waiter)
-    body = _answer(gw, waiter)
+    try:
+        body = _answer(gw, waiter)
+    except ApiError as err:  # the region lost its broker or replicas while the request waited
+        forwarded = peers.forward(gw, job, err)
+        if forwarded is not None:
+            return forwarded
+        raise
     resp = jsonify(body)
     resp.headers["X-Request-Id"] = request_id
     return resp
@@ -173,6 +179,8 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
 def _error_for(item: object) -> tuple[int, ApiError]:
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "unavailable":
         return 503, ApiError(503, "the broker stopped answering; retry shortly", "broker_unavailable", retry_after_s=1)
+    if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "no_replica":
+        return 503, ApiError(503, "no replica serves this model right now", "no_replica", retry_after_s=1)
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "retried":
         return 409, ApiError(409, "a retry with the same request id took this request over", "retried")
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason != "expired":

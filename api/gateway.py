@@ -375,6 +375,7 @@ class Gateway:
                 swept, requeued, expired = self._sweep(args=[min_ms])
                 if swept:
                     log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
+                self._release_orphans()
                 if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
                     self.clock.sync()
                     last_sync = time.monotonic()
@@ -386,6 +387,19 @@ class Gateway:
             except Exception:
                 log.exception("broker health loop")
             threading.Event().wait(0.05 if self.health.is_down else 0.1)
+
+    def _release_orphans(self) -> None:
+        """Requests of a model that has no live replica left end now with 503 (which a
+        gateway with peer regions forwards), not at their deadline with a 504."""
+        orphaned = {m for m in self.settings.models if self.fleet.capacity(m).num_replicas == 0}
+        if not orphaned or not self.waiters:
+            return
+        with self._lock:
+            waiting = [w for group in self.waiters.values() for w in group if w.job.model in orphaned]
+        for waiter in waiting:
+            if waiter.item is None:
+                self._give_up(waiter, "no_replica")
+                waiter.resolve(p.Dropped(id=waiter.attempt, reason="no_replica", replica=""))
 
     def _fail_all_waiting(self) -> None:
         with self._lock:

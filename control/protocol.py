@@ -122,8 +122,9 @@ class Job(BaseModel):
 
 
 # expired: past its deadline; gone: the client hung up; retried: a retry on another
-# gateway took the request over; unavailable: the broker stopped answering.
-DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable"]
+# gateway took the request over; unavailable: the broker stopped answering; no_replica:
+# the model lost its last replica while the request waited.
+DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica"]
 
 
 class Result(BaseModel):
