@@ -339,11 +339,16 @@ def _counters(url: str) -> dict[str, float] | None:
 
 
 def _delta(before: list[dict[str, float] | None], after: list[dict[str, float] | None]) -> dict[str, float] | None:
-    """What the deployments' counters moved by; None when a gateway could not be read."""
+    """What the deployments' counters moved by; None when a gateway could not be read.
+    A counter that went down was reset (the wasted-results count lives in the broker,
+    which a broker restart empties): what it counted since is the delta, a lower bound."""
     if any(v is None for v in [*before, *after]):
         return None
     pairs = list(zip(after, before, strict=True))
-    return {key: sum(a[key] - b[key] for a, b in pairs) for key in COUNTERS.values()}  # type: ignore[index]
+    return {
+        key: sum(a[key] - b[key] if a[key] >= b[key] else a[key] for a, b in pairs)  # type: ignore[index]
+        for key in COUNTERS.values()
+    }
 
 
 # -- the faults ----------------------------------------------------------------------
@@ -426,8 +431,9 @@ def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            started_ms = client.zscore(p.launch_key(MODEL), name)
-            if started_ms is not None and 0 <= time.time() * 1000 - started_ms < run.batch_ms / 2:
+            # Replicas may stamp launches with the broker's clock: compare with it.
+            started_ms, (seconds, micros) = client.pipeline().zscore(p.launch_key(MODEL), name).time().execute()
+            if started_ms is not None and 0 <= seconds * 1000 + micros / 1000 - started_ms < run.batch_ms / 2:
                 return True
             time.sleep(0.005)
     except redis.RedisError:
