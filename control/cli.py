@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
+    from control.cliargs import add_chaos_args
+
+    add_chaos_args(sub.add_parser("chaos", help="inject one fault into a live deployment under load and report"))
 
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
@@ -125,4 +128,18 @@ def _flower(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"up": _up, "api": _api, "worker": _worker, "bench": _bench, "load": _load, "flower": _flower}
+def _chaos(settings: Settings, args: argparse.Namespace) -> int:
+    from control.chaos import run_chaos
+
+    return run_chaos(settings, args)
+
+
+COMMANDS = {
+    "up": _up,
+    "api": _api,
+    "worker": _worker,
+    "bench": _bench,
+    "load": _load,
+    "flower": _flower,
+    "chaos": _chaos,
+}

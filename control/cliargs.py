@@ -37,3 +37,31 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free-key", default=None)
     p.add_argument("--deadline-ms", type=float, default=None)
     p.add_argument("--json", default=None, help="write the summary and records here")
+
+
+CHAOS_SCENARIOS = {  # control/chaos.py has one fault for each
+    "replica-kill": "SIGKILL a replica while it runs a batch",
+    "replica-hang": "SIGSTOP a replica for 5 s, then SIGCONT",
+    "broker-stall": "SIGSTOP the broker for 5 s, then SIGCONT",
+    "broker-loss": "SIGKILL the broker (the supervisor should restart it)",
+    "gateway-kill": "SIGKILL one gateway worker process",
+    "client-hangup": "20% of clients close their connection 100 ms after sending",
+    "region-loss": "two deployments, A with peer B; SIGKILL A's broker and replicas",
+    "slowloris": "hundreds of connections dribble header bytes during the load",
+}
+
+
+def add_chaos_args(p: argparse.ArgumentParser) -> None:
+    p.description = "Inject one fault into a live deployment under load; exit 0 when nothing was lost or duplicated."
+    p.epilog = "scenarios:\n" + "\n".join(f"  {name:14} {what}" for name, what in CHAOS_SCENARIOS.items())
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("scenario", choices=list(CHAOS_SCENARIOS), metavar="SCENARIO", help="see below")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--load", type=float, default=0.7, help="share of capacity (replicas x batch per batch time)")
+    p.add_argument("--paid-share", type=float, default=0.3)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    p.add_argument("--fault-at", type=float, default=8.0, help="seconds into the load")
+    p.add_argument("--repeat", type=int, default=1, help="inject the fault this often, a few seconds apart")
+    p.add_argument("--deadline-ms", type=float, default=None, help="the clients' X-Deadline-Ms")
+    p.add_argument("--seed", type=int, default=1, help="arrivals and the choice of victims")
+    p.add_argument("--json", default=None, help="write the report here")

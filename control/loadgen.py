@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import orjson
 import uvloop
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from control.httpclient import Client
+from control.httpclient import Answer, Client
 from control.memory import collector_paused
 
 
@@ -33,6 +36,10 @@ class Record:
     batch_size: int = 0
     server_ms: float = 0.0  # the gateway's own total (received -> answer ready)
     error: str = ""
+    id: str = ""  # the X-Request-Id sent (LoadSpec.id_prefix), else ""
+    answer_id: str = ""  # the id of the completion that came back (200 only)
+    answered_s: float = 0.0  # seconds since the run started: answer parsed, error or hang-up
+    hung_up: bool = False  # the client closed its connection on purpose (LoadSpec.hangup_share)
 
     @property
     def overhead_ms(self) -> float:
@@ -62,6 +69,14 @@ class LoadSpec:
     max_tokens: int = 16
     seed: int = 1
     deadline_ms: float | None = None
+    id_prefix: str | None = None  # send X-Request-Id "<prefix>-<i>" and record it
+    timeout_s: float | None = None  # client gives up (default: the deadline + 30 s)
+    start_at: float | None = None  # time.perf_counter() of second 0, to line other events up with sent_s
+    # A share of the requests sent from `hangup_from_s` on close their connection
+    # `hangup_ms` after sending (a user typing on); drawn apart from the arrivals.
+    hangup_share: float = 0.0
+    hangup_from_s: float = 0.0
+    hangup_ms: float = 100.0
 
 
 _PROMPTS = [
@@ -73,30 +88,59 @@ _PROMPTS = [
 ]
 
 
-async def _one(client: Client, spec: LoadSpec, sent_s: float, tier: str, i: int) -> Record:
+async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: str, i: int, hangup: bool) -> Record:
     headers = {"Content-Type": "application/json"}
     key = spec.paid_key if tier == "paid" else spec.free_key
     if key:
         headers["Authorization"] = f"Bearer {key}"
     if spec.deadline_ms:
         headers["X-Deadline-Ms"] = str(spec.deadline_ms)
+    request_id = f"{spec.id_prefix}-{i}" if spec.id_prefix else ""
+    if request_id:
+        headers["X-Request-Id"] = request_id
     body = {"model": spec.model, "prompt": _PROMPTS[i % len(_PROMPTS)] + f"# {i}\n", "max_tokens": spec.max_tokens}
-    timeout_s = (spec.deadline_ms or 60_000) / 1000 + 30
+    timeout_s = spec.timeout_s or (spec.deadline_ms or 60_000) / 1000 + 30
     start = time.perf_counter()
+    post = client.post("/v1/completions", orjson.dumps(body), headers, timeout_s)
     try:
-        answer = await client.post("/v1/completions", orjson.dumps(body), headers, timeout_s)
+        answer = await (_hang_up(post, spec.hangup_ms / 1000) if hangup else post)
     except (TimeoutError, OSError) as exc:  # ConnectionError is an OSError
-        return Record(sent_s, tier, 0, (time.perf_counter() - start) * 1000, error=type(exc).__name__)
-    rec = Record(sent_s, tier, answer.status, (answer.done_s - start) * 1000)
+        now = time.perf_counter()
+        return Record(
+            sent_s, tier, 0, (now - start) * 1000, error=type(exc).__name__, id=request_id, answered_s=now - t0
+        )
+    if answer is None:
+        now = time.perf_counter()
+        return Record(
+            sent_s, tier, 0, (now - start) * 1000, error="hangup", id=request_id, answered_s=now - t0, hung_up=True
+        )
+    rec = Record(
+        sent_s, tier, answer.status, (answer.done_s - start) * 1000, id=request_id, answered_s=answer.done_s - t0
+    )
     if answer.status == 200:
-        kb = orjson.loads(answer.body)["keybatch"]
+        completion = orjson.loads(answer.body)
+        kb = completion["keybatch"]
         rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
         rec.server_ms = kb["total_ms"]
+        rec.answer_id = completion.get("id", "")
     return rec
+
+
+async def _hang_up(post: Coroutine[Any, Any, Answer], after_s: float) -> Answer | None:
+    """The answer if it comes within `after_s`, else None with the connection closed."""
+    task = asyncio.ensure_future(post)
+    done, _ = await asyncio.wait({task}, timeout=after_s)
+    if done:
+        return task.result()
+    task.cancel()  # Client.post closes a connection whose request is outstanding
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
     rng = random.Random(spec.seed)
+    hangups = random.Random(spec.seed + 1)  # apart, so hang-ups leave the arrivals as they were
     client = Client(spec.url)
     tasks: list[asyncio.Task[Record]] = []
     progress = Progress(
@@ -111,14 +155,15 @@ async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
     try:
         with progress:
             bar = progress.add_task(f"{spec.rps:.0f} req/s", total=spec.duration_s)
-            t0 = time.perf_counter()
+            t0 = spec.start_at if spec.start_at is not None else time.perf_counter()
             next_s, i = 0.0, 0
             while next_s < spec.duration_s:
                 delay = next_s - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tier = "paid" if rng.random() < spec.paid_share else "free"
-                tasks.append(asyncio.create_task(_one(client, spec, next_s, tier, i)))
+                hangup = spec.hangup_share > 0 and next_s >= spec.hangup_from_s and hangups.random() < spec.hangup_share
+                tasks.append(asyncio.create_task(_one(client, spec, t0, next_s, tier, i, hangup)))
                 i += 1
                 next_s += rng.expovariate(spec.rps)
                 if i % 64 == 0:
