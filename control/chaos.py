@@ -75,6 +75,7 @@ class ChaosSpec:
     repeat: int = 1
     deadline_ms: float | None = None
     seed: int = 1
+    client_retries: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:
@@ -88,6 +89,7 @@ class ChaosSpec:
             args.repeat,
             args.deadline_ms,
             args.seed,
+            args.client_retries,
         )
 
     def problem(self) -> str | None:
@@ -661,6 +663,7 @@ def _drive(
         hangup_share=HANGUP_SHARE if spec.scenario == "client-hangup" else 0.0,
         hangup_from_s=spec.fault_at_s,
         hangup_ms=HANGUP_MS,
+        retries=spec.client_retries,
     )
     assert load.start_at is not None
     run = Run(spec, deployments, load.start_at, settings.batch_ms, random.Random(spec.seed))

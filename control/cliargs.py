@@ -64,4 +64,10 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="inject the fault this often, a few seconds apart")
     p.add_argument("--deadline-ms", type=float, default=None, help="the clients' X-Deadline-Ms")
     p.add_argument("--seed", type=int, default=1, help="arrivals and the choice of victims")
+    p.add_argument(
+        "--client-retries",
+        type=int,
+        default=1,
+        help="a client whose connection breaks resends with the same X-Request-Id (joins the request)",
+    )
     p.add_argument("--json", default=None, help="write the report here")

@@ -77,6 +77,7 @@ class LoadSpec:
     hangup_share: float = 0.0
     hangup_from_s: float = 0.0
     hangup_ms: float = 100.0
+    retries: int = 0  # resend after a broken connection, same X-Request-Id, within the budget (as an IDE does)
 
 
 _PROMPTS = [
@@ -101,14 +102,22 @@ async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: s
     body = {"model": spec.model, "prompt": _PROMPTS[i % len(_PROMPTS)] + f"# {i}\n", "max_tokens": spec.max_tokens}
     timeout_s = spec.timeout_s or (spec.deadline_ms or 60_000) / 1000 + 30
     start = time.perf_counter()
-    post = client.post("/v1/completions", orjson.dumps(body), headers, timeout_s)
-    try:
-        answer = await (_hang_up(post, spec.hangup_ms / 1000) if hangup else post)
-    except (TimeoutError, OSError) as exc:  # ConnectionError is an OSError
-        now = time.perf_counter()
-        return Record(
-            sent_s, tier, 0, (now - start) * 1000, error=type(exc).__name__, id=request_id, answered_s=now - t0
-        )
+    retries = spec.retries
+    while True:
+        post = client.post("/v1/completions", orjson.dumps(body), headers, timeout_s)
+        try:
+            answer = await (_hang_up(post, spec.hangup_ms / 1000) if hangup else post)
+            break
+        except (TimeoutError, OSError) as exc:  # ConnectionError is an OSError
+            now = time.perf_counter()
+            left_ms = (spec.deadline_ms or 600.0) - (now - start) * 1000
+            if retries > 0 and not isinstance(exc, TimeoutError) and left_ms > 1:
+                retries -= 1  # the gateway process holding the connection died: the retry joins the request
+                headers["X-Deadline-Ms"] = str(int(left_ms))
+                continue
+            return Record(
+                sent_s, tier, 0, (now - start) * 1000, error=type(exc).__name__, id=request_id, answered_s=now - t0
+            )
     if answer is None:
         now = time.perf_counter()
         return Record(
