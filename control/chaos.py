@@ -75,7 +75,7 @@ class ChaosSpec:
     repeat: int = 1
     deadline_ms: float | None = None
     seed: int = 1
-    client_retries: int = 1
+    client_retries: int = 2
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:

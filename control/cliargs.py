@@ -67,7 +67,7 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--client-retries",
         type=int,
-        default=1,
+        default=2,
         help="a client whose connection breaks resends with the same X-Request-Id (joins the request)",
     )
     p.add_argument("--json", default=None, help="write the report here")

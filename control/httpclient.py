@@ -102,9 +102,13 @@ class Client:
         self._host_header = f"{self.host}:{self.port}"
         self._idle: deque[_Connection] = deque()
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str], timeout_s: float) -> Answer:
+    async def post(
+        self, path: str, body: bytes, headers: dict[str, str], timeout_s: float, fresh: bool = False
+    ) -> Answer:
+        """`fresh`: on a new connection (a retry after a broken one: the idle ones may be
+        broken too)."""
         loop = asyncio.get_running_loop()
-        conn = self._idle.popleft() if self._idle else await self._connect(loop)
+        conn = self._idle.popleft() if self._idle and not fresh else await self._connect(loop)
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         request = (
             f"POST {path} HTTP/1.1\r\nHost: {self._host_header}\r\nContent-Length: {len(body)}\r\n{head}\r\n"

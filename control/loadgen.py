@@ -104,7 +104,8 @@ async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: s
     start = time.perf_counter()
     retries = spec.retries
     while True:
-        post = client.post("/v1/completions", orjson.dumps(body), headers, timeout_s)
+        fresh = retries < spec.retries
+        post = client.post("/v1/completions", orjson.dumps(body), headers, timeout_s, fresh)
         try:
             answer = await (_hang_up(post, spec.hangup_ms / 1000) if hangup else post)
             break
