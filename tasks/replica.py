@@ -309,9 +309,13 @@ class Replica:
         pipe.execute()
 
     def renew_lease_if_due(self) -> None:
-        """Called by the engine between steps: a batch longer than the lease keeps it."""
+        """Called by the engine between steps: a batch longer than the lease keeps it.
+        A broker that is away is not the engine's failure: the batch goes on."""
         if _monotonic_ms() >= self._renew_at_ms:
-            self._renew_lease()
+            try:
+                self._renew_lease()
+            except redis.RedisError:
+                log.warning("could not renew the lease")
 
     def _take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
         with self._cond:
