@@ -147,20 +147,32 @@ class Waiter:
 
 
 class BrokerHealth:
-    """Is the broker answering? A request-path call that fails or exceeds its bound
-    marks it down at once (new requests then get 503 without trying); the gateway's
-    health loop probes it and marks it up again."""
+    """Is the broker answering? It is down once a call failed or exceeded its bound and
+    nothing has answered for `down_after_ms` (new requests then get 503 without trying);
+    every answer (an admission, a reply, the health loop's probe) marks it up. One slow
+    call on a busy process is not an outage while other calls are answered."""
 
-    def __init__(self) -> None:
-        self.is_down = False
-        self.failed_probes = 0
+    def __init__(self, down_after_ms: float = 100.0) -> None:
+        self.down_after_s = down_after_ms / 1000.0
+        self._last_ok = time.monotonic()
+        self._last_failure = 0.0
+
+    def ok(self) -> None:
+        self._last_ok = time.monotonic()
 
     def failed(self) -> None:
-        self.is_down = True
+        self._last_failure = time.monotonic()
 
-    def probed(self, ok: bool) -> None:
-        self.failed_probes = 0 if ok else self.failed_probes + 1
-        self.is_down = not ok
+    @property
+    def silent_s(self) -> float:
+        """How long nothing has answered, if a call failed since (0 when healthy)."""
+        if self._last_failure <= self._last_ok:
+            return 0.0
+        return time.monotonic() - self._last_ok
+
+    @property
+    def is_down(self) -> bool:
+        return self.silent_s >= self.down_after_s
 
 
 class Gateway:
@@ -300,6 +312,7 @@ class Gateway:
         except redis.RedisError as exc:
             self.health.failed()
             raise _broker_down(exc) from exc
+        self.health.ok()
         if status == 2:  # answered within the idempotency window: the same answer again
             waiter.resolve(p.Result.model_validate_json(extra))
             return Verdict.ADMIT, 0
@@ -370,6 +383,7 @@ class Gateway:
         is also the probe of the broker; every second, read the broker's clock."""
         min_ms = self.settings.batch_ms + self.settings.deadline_margin_ms
         last_sync = 0.0
+        failed_waiting = False
         while True:
             try:
                 swept, requeued, expired = self._sweep(args=[min_ms])
@@ -379,11 +393,13 @@ class Gateway:
                 if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
                     self.clock.sync()
                     last_sync = time.monotonic()
-                self.health.probed(True)
+                self.health.ok()
+                failed_waiting = False
             except redis.RedisError:
-                self.health.probed(False)
-                if self.health.failed_probes == 2:  # ~150 ms without a broker: nothing will come back
-                    self._fail_all_waiting()
+                self.health.failed()
+                if self.health.silent_s >= 2 * self.health.down_after_s and not failed_waiting:
+                    self._fail_all_waiting()  # nothing will come back to them
+                    failed_waiting = True
             except Exception:
                 log.exception("broker health loop")
             threading.Event().wait(0.05 if self.health.is_down else 0.1)
@@ -428,6 +444,7 @@ class Gateway:
                 log.warning("reply listener lost Redis; retrying")
                 threading.Event().wait(0.2)
                 continue
+            self.health.ok()
             for raw in raws:
                 try:
                     self._deliver(p.Reply.model_validate_json(raw))

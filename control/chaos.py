@@ -76,6 +76,8 @@ class ChaosSpec:
     deadline_ms: float | None = None
     seed: int = 1
     client_retries: int = 2
+    spike: float = 3.0
+    spike_s: float = 30.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:
@@ -90,6 +92,8 @@ class ChaosSpec:
             args.deadline_ms,
             args.seed,
             args.client_retries,
+            args.spike,
+            args.spike_s,
         )
 
     def problem(self) -> str | None:
@@ -488,6 +492,14 @@ async def _slowloris(run: Run) -> Injection:
     return injection
 
 
+async def _overload_spike(run: Run) -> Injection:
+    # The load itself does it (LoadSpec.spike_*); this marks its start and end.
+    injection = Injection(run.now_s(), f"arrivals at {run.spec.spike:.1f}x capacity for {run.spec.spike_s:.0f} s")
+    await run.sleep_until(run.spec.fault_at_s + run.spec.spike_s)
+    injection.ended_s = run.now_s()
+    return injection
+
+
 def _broker_of(deployment: Deployment) -> tuple[str, psutil.Process] | None:
     proc = deployment.broker()
     return ("", proc) if proc is not None else None
@@ -502,6 +514,7 @@ FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "client-hangup": _client_hangup,
     "region-loss": _region_loss,
     "slowloris": _slowloris,
+    "overload-spike": _overload_spike,
 }
 REPEATABLE = {"replica-kill", "replica-hang", "broker-stall", "broker-loss", "gateway-kill"}
 
@@ -665,6 +678,9 @@ def _drive(
         hangup_ms=HANGUP_MS,
         retries=spec.client_retries,
     )
+    if spec.scenario == "overload-spike":
+        load.spike_rps = spec.spike * capacity
+        load.spike_from_s, load.spike_to_s = spec.fault_at_s, spec.fault_at_s + spec.spike_s
     assert load.start_at is not None
     run = Run(spec, deployments, load.start_at, settings.batch_ms, random.Random(spec.seed))
 
@@ -687,10 +703,13 @@ def _outcome(r: Record) -> str:
 
 def _group(records: list[Record]) -> dict[str, object]:
     ok = [r.latency_ms for r in records if r.status == 200]
+    paid = [r.latency_ms for r in records if r.status == 200 and r.tier == "paid"]
     return {
         "sent": len(records),
         "statuses": dict(sorted(Counter(_outcome(r) for r in records).items())),
         "p99_ms": percentile(ok, 99) if ok else None,
+        "paid_p99_ms": percentile(paid, 99) if paid else None,
+        "paid_statuses": dict(sorted(Counter(_outcome(r) for r in records if r.tier == "paid").items())),
     }
 
 
@@ -717,7 +736,8 @@ def _affected(records: list[Record], injections: list[Injection], ends: list[flo
     """In flight at a fault, or sent from it until recovery (or its window's end)."""
     hit = set()
     for injection, end in zip(injections, ends, strict=True):
-        until = injection.at_s + injection.recover_s if injection.recover_s is not None else end
+        ended = injection.ended_s or injection.at_s
+        until = ended + injection.recover_s if injection.recover_s is not None else end
         for i, r in enumerate(records):
             if (r.sent_s < injection.at_s < r.answered_s) or injection.at_s <= r.sent_s < until:
                 hit.add(i)
@@ -731,8 +751,8 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
     before = [r.latency_ms for r in records if r.sent_s < first and r.status == 200]
     baseline = percentile(before, 99) if before else None
     ends = [nxt.at_s for nxt in injections[1:]] + [spec.duration_s]
-    for injection, end in zip(injections, ends, strict=True):
-        injection.recover_s = recovery_s(records, injection.at_s, end, baseline)
+    for injection, end in zip(injections, ends, strict=True):  # from the fault's end, if it lasts
+        injection.recover_s = recovery_s(records, injection.ended_s or injection.at_s, end, baseline)
     hit = _affected(records, injections, ends)
     lost = [r for r in records if r.status == 0 and not r.hung_up]
     # An answer carrying another request's id: a reply routed to the wrong client, or a
@@ -817,13 +837,14 @@ def _print(report: dict) -> None:
     counters = report["server_counters"]
     table.add_row("gateway counters, delta", "unknown" if counters is None else _counts(counters), "")
     recover = "not recovered" if report["recover_s"] is None else f"{report['recover_s']:.1f} s"
-    table.add_row("time to recover", recover, "")
+    table.add_row("time to recover (from the fault's end)", recover, "")
     table.add_row("pre-fault p99", _ms(report["pre_fault_p99_ms"]), "")
     for name in ("affected", "rest"):
         group = report[name]
         table.add_row(
             f"{name}: sent, statuses, p99", f"{group['sent']}; {_counts(group['statuses'])}; {_ms(group['p99_ms'])}", ""
         )
+        table.add_row("  paid: statuses, p99", f"{_counts(group['paid_statuses'])}; {_ms(group['paid_p99_ms'])}", "")
     s503 = report["status_503"]
     table.add_row("503s: count, p99", f"{s503['count']}; {_ms(s503['p99_ms'])}", f"<= {FAST_503_MS:.0f} ms")
     if report["slowloris"]:

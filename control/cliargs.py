@@ -48,6 +48,7 @@ CHAOS_SCENARIOS = {  # control/chaos.py has one fault for each
     "client-hangup": "20% of clients close their connection 100 ms after sending",
     "region-loss": "two deployments, A with peer B; SIGKILL A's broker and replicas",
     "slowloris": "hundreds of connections dribble header bytes during the load",
+    "overload-spike": "arrivals jump to --spike x capacity for --spike-s seconds",
 }
 
 
@@ -64,6 +65,8 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="inject the fault this often, a few seconds apart")
     p.add_argument("--deadline-ms", type=float, default=None, help="the clients' X-Deadline-Ms")
     p.add_argument("--seed", type=int, default=1, help="arrivals and the choice of victims")
+    p.add_argument("--spike", type=float, default=3.0, help="overload-spike: arrivals as a multiple of capacity")
+    p.add_argument("--spike-s", type=float, default=30.0, help="overload-spike: how long")
     p.add_argument(
         "--client-retries",
         type=int,

@@ -77,6 +77,9 @@ class LoadSpec:
     hangup_share: float = 0.0
     hangup_from_s: float = 0.0
     hangup_ms: float = 100.0
+    spike_rps: float = 0.0  # the arrival rate from spike_from_s to spike_to_s (0: no spike)
+    spike_from_s: float = 0.0
+    spike_to_s: float = 0.0
     retries: int = 0  # resend after a broken connection, same X-Request-Id, within the budget (as an IDE does)
 
 
@@ -148,6 +151,10 @@ async def _hang_up(post: Coroutine[Any, Any, Answer], after_s: float) -> Answer 
     return None
 
 
+def _rate(spec: LoadSpec, at_s: float) -> float:
+    return spec.spike_rps if spec.spike_rps and spec.spike_from_s <= at_s < spec.spike_to_s else spec.rps
+
+
 async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
     rng = random.Random(spec.seed)
     hangups = random.Random(spec.seed + 1)  # apart, so hang-ups leave the arrivals as they were
@@ -175,7 +182,7 @@ async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
                 hangup = spec.hangup_share > 0 and next_s >= spec.hangup_from_s and hangups.random() < spec.hangup_share
                 tasks.append(asyncio.create_task(_one(client, spec, t0, next_s, tier, i, hangup)))
                 i += 1
-                next_s += rng.expovariate(spec.rps)
+                next_s += rng.expovariate(_rate(spec, next_s))
                 if i % 64 == 0:
                     progress.update(bar, completed=min(spec.duration_s, time.perf_counter() - t0))
             return list(await asyncio.gather(*tasks))
