@@ -7,6 +7,7 @@ import redis
 from flask import Flask, Response
 from flask.json.provider import JSONProvider
 
+from control import connect
 from control.clock import BrokerClock, SystemClock
 from control.settings import Settings
 
@@ -40,11 +41,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     # A bounded pool: under a burst, requests wait for a connection instead of failing;
     # every call on the request path, and the wait for a connection, is bounded.
     bound_s = settings.broker_timeout_ms / 1000.0
-    pool = redis.BlockingConnectionPool.from_url(
+    pool = connect.blocking_pool(
         settings.state_url, max_connections=64, timeout=bound_s, socket_timeout=bound_s, socket_connect_timeout=bound_s
     )
     client = redis.Redis(connection_pool=pool)
-    time_source = redis.Redis.from_url(settings.state_url, socket_timeout=bound_s, socket_connect_timeout=bound_s)
+    time_source = connect.client(settings.state_url, socket_timeout=bound_s, socket_connect_timeout=bound_s)
     clock = BrokerClock(time_source, SystemClock(settings.clock_skew_ms))
     app.extensions["keybatch"] = Gateway(settings, client, make_celery(settings), clock)
     errors.init_app(app)

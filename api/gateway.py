@@ -486,10 +486,10 @@ class Gateway:
 
 
 def _client_like(client: redis.Redis, **overrides: float) -> redis.Redis:
-    """A client to the same server with a pool of its own and other timeouts."""
-    pool = client.connection_pool
-    kwargs = {**pool.connection_kwargs, **overrides}
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+    """A client to the same server (or sentinels) with a pool of its own and other timeouts."""
+    from control.connect import client_like
+
+    return client_like(client, **overrides)
 
 
 def _broker_down(exc: BaseException | None) -> ApiError:

@@ -367,6 +367,7 @@ class Injection:
     targets: list[str] = field(default_factory=list)
     ended_s: float | None = None  # a pause: when it was lifted
     note: str = ""
+    requeue_ms: float | None = None  # replica faults: until what it held was back in the queue
     recover_s: float | None = None  # filled in by the analysis
 
 
@@ -424,7 +425,39 @@ async def _replica_kill(run: Run) -> Injection:
     injection = await _signal_one(run, "replica", found, signal.SIGKILL)
     if found is not None:
         injection.note = "mid-batch" if mid_batch else "no batch start seen in 1.5 s: killed anyway"
+        injection.requeue_ms = await asyncio.to_thread(_wait_swept, run, found[0])
     return injection
+
+
+async def _replica_hang_timed(run: Run) -> Injection:
+    """replica-hang, and how long until what the stopped replica held was re-queued."""
+    found = _pick(run, await asyncio.to_thread(run.target.replicas))
+    if found is None:
+        return await _pause(run, "replica", found)
+    swept = asyncio.ensure_future(asyncio.to_thread(_wait_swept, run, found[0], PAUSE_S))
+    injection = await _pause(run, "replica", found)
+    injection.requeue_ms = await swept
+    return injection
+
+
+def _wait_swept(run: Run, name: str, timeout_s: float = 3.0) -> float | None:
+    """Milliseconds from now until the replica's held requests were re-queued (its held
+    hash is gone), or None if that did not happen within `timeout_s`."""
+    url = run.target.redis_url()
+    if url is None:
+        return None
+    client = redis.Redis.from_url(url, socket_timeout=1)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < timeout_s:
+            if not client.exists(p.held_key(name)):
+                return round((time.monotonic() - start) * 1000, 1)
+            time.sleep(0.002)
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return None
 
 
 def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
@@ -447,10 +480,6 @@ def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
     finally:
         client.close()
     return False
-
-
-async def _replica_hang(run: Run) -> Injection:
-    return await _pause(run, "replica", _pick(run, await asyncio.to_thread(run.target.replicas)))
 
 
 async def _broker_stall(run: Run) -> Injection:
@@ -507,7 +536,7 @@ def _broker_of(deployment: Deployment) -> tuple[str, psutil.Process] | None:
 
 FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "replica-kill": _replica_kill,
-    "replica-hang": _replica_hang,
+    "replica-hang": _replica_hang_timed,
     "broker-stall": _broker_stall,
     "broker-loss": _broker_loss,
     "gateway-kill": _gateway_kill,
@@ -775,6 +804,7 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         "server_counters": counters,
         "faults": [asdict(i) for i in injections],
         "recover_s": None if not recovered or None in recovered else max(recovered),  # type: ignore[type-var]
+        "requeue_ms_median": _median([i.requeue_ms for i in injections if i.requeue_ms is not None]),
         "pre_fault_p99_ms": baseline,
         "affected": _group([r for i, r in enumerate(records) if i in hit]),
         "rest": _group([r for i, r in enumerate(records) if i not in hit]),
@@ -788,6 +818,10 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         "failed": failed,
         "ok": not failed,
     }
+
+
+def _median(values: list[float]) -> float | None:
+    return percentile(values, 50) if values else None
 
 
 def _verdict(lost: int, crossed: int) -> list[str]:
@@ -826,7 +860,8 @@ def _print(report: dict) -> None:
         what = "; ".join(
             filter(None, [": ".join(filter(None, [fault["action"], ", ".join(fault["targets"])])), fault["note"]])
         )
-        table.add_row(f"fault at {fault['at_s']:.2f} s", f"{what}; {recover}", "")
+        requeue = "" if fault["requeue_ms"] is None else f"; re-queued after {fault['requeue_ms']:.0f} ms"
+        table.add_row(f"fault at {fault['at_s']:.2f} s", f"{what}{requeue}; {recover}", "")
     table.add_row("sent", str(report["sent"]), "")
     table.add_row("answered by status", _counts(report["answered"]), "")
     table.add_row("lost (no HTTP answer)", f"{report['lost']} {_counts(report['lost_by_error'])}".strip(), "0")

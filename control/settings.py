@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control.connect import check_url
+
 Tier = Literal["paid", "free"]
 Backend = Literal["fixed", "hf"]
 Policy = Literal["static", "continuous"]
@@ -24,7 +26,9 @@ class Settings(BaseSettings):
     )
 
     # Broker and state. Without REDIS_URL, `keybatch up` starts an embedded Valkey.
-    redis_url: str | None = Field(None, description="redis:// or rediss:// URL of the state server")
+    redis_url: str | None = Field(
+        None, description="redis://, rediss://, unix:// or sentinel:// URL of the state server (control/connect.py)"
+    )
     broker_url: str | None = Field(None, description="Celery broker URL (defaults to REDIS_URL)")
 
     # Gateway.
@@ -93,8 +97,8 @@ class Settings(BaseSettings):
     @field_validator("redis_url", "broker_url")
     @classmethod
     def _check_url(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if url is not None:
+            check_url(url)
         return url
 
     @field_validator("peers")

@@ -9,6 +9,7 @@ import orjson
 from celery import Celery
 from kombu import Exchange, Queue
 
+from control import connect
 from control import protocol as p
 from control.settings import Settings
 
@@ -23,9 +24,10 @@ def transport_options() -> dict[str, object]:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("keybatch", broker=settings.broker, set_as_current=False)
+    broker, broker_options = connect.kombu_broker(settings.broker)
+    app = Celery("keybatch", broker=broker, set_as_current=False)
     app.conf.update(
-        broker_transport_options=transport_options(),
+        broker_transport_options={**transport_options(), **broker_options},
         broker_connection_retry_on_startup=True,
         task_serializer="json",
         accept_content=["json"],

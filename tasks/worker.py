@@ -120,11 +120,10 @@ class ReplicaStep(bootsteps.StartStopStep):
                 paid_boost_ms=s.paid_boost_ms,
                 margin_ms=s.deadline_margin_ms,
             )
-            import redis
-
+            from control import connect
             from tasks.app import TaskMessages
 
-            client = redis.Redis.from_url(s.state_url, socket_timeout=2, socket_connect_timeout=2)
+            client = connect.client(s.state_url, socket_timeout=2, socket_connect_timeout=2)
             self.replica = Replica(
                 c.hostname,
                 spec.model,
