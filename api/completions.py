@@ -205,7 +205,7 @@ def _completion(request_id: str, job: p.Job, res: p.Result, now: float) -> dict:
             "total_tokens": res.prompt_tokens + res.completion_tokens,
         },
         "keybatch": {
-            "queue_ms": round(res.batch_start_ms - job.received_ms, 2),
+            "queue_ms": round(max(0.0, res.batch_start_ms - job.received_ms), 2),  # 0: a stored answer
             "batch_ms": round(res.batch_end_ms - res.batch_start_ms, 2),
             "total_ms": round(now - job.received_ms, 2),
             "batch_size": res.batch_size,

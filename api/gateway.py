@@ -463,7 +463,7 @@ class Gateway:
                 self.metrics.cancels.labels(item.reason).inc()
             with self._lock:
                 group = list(self.waiters.get(item.id, ()))
-                if not group and isinstance(item, p.Result | p.Failed):
+                if not group:
                     self._keep_early(item)
             for waiter in group:
                 waiter.resolve(item)

@@ -84,8 +84,8 @@ class Peer:
         """Send the request; the status and headers are read, the body is left to the caller.
 
         Raises urllib3's HTTPError when the peer cannot be reached or does not answer in time.
-        Not retried here: a second send of the same request id to the same peer is refused as
-        a duplicate; the next peer is the retry.
+        Not retried here: a peer that did not answer in the budget will not answer a second
+        send in what is left of it; the next peer is the retry.
         """
         budget_s = budget_ms / 1000.0
         timeout = urllib3.Timeout(total=budget_s, connect=min(budget_s, MAX_CONNECT_S))

@@ -1,7 +1,7 @@
 """`keybatch bench serving`: the whole path under Poisson load, with figures.
 
 Starts a private deployment (embedded Valkey, N fixed-latency replicas, the
-gateway), runs the scenarios of issue 2 one after another and prints what the
+gateway), runs the serving scenarios one after another and prints what the
 issue asks to see, each next to its target.
 """
 

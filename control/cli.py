@@ -10,12 +10,18 @@ import sys
 
 from control.settings import Settings
 
-SETTINGS_HELP = """settings (environment, prefix KEYBATCH_, or a .env file):
-  REDIS_URL BROKER_URL API_KEYS ALLOW_ANONYMOUS ADMIN_TOKEN MODELS MODELS_DIR
-  MAX_BATCH BATCH_MS MAX_WAIT_MS PAID_BOOST_MS DEADLINE_MS MAX_DEADLINE_MS
-  DEADLINE_MARGIN_MS PULL_LEAD_MS MAX_QUEUE_PAID MAX_QUEUE_FREE MAX_PROMPT_CHARS
-  MAX_TOKENS_LIMIT API_WORKER_CLASS API_PROCESSES API_THREADS HOST PORT
-  HEARTBEAT_S REPLICA_TTL_S TASK_EVENTS   (README: "Configuration")"""
+
+def _settings_help() -> str:
+    """Every setting's name, from the Settings object itself."""
+    names = [name.upper() for name in Settings.model_fields]
+    lines, line = [], " "
+    for name in names:
+        if len(line) + len(name) > 88:
+            lines.append(line)
+            line = " "
+        line += " " + name
+    lines.append(line)
+    return "settings (environment, prefix KEYBATCH_, or a .env file; README: Configuration):\n" + "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
         help="broker, replicas and gateway in the foreground",
-        epilog=SETTINGS_HELP,
+        epilog=_settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--workers", type=int, default=None, help="model replicas (default 2 per model served)")
@@ -71,7 +77,7 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
     from control.up import Plan, PlanError, System
 
     if args.backend != "fixed" or args.policy != "static":
-        print("only --backend fixed --policy static exist so far (the hf engine is the next issue)", file=sys.stderr)
+        print("only --backend fixed --policy static exist so far (the torch engine is still to come)", file=sys.stderr)
         return 2
     models = [m for m in args.models.split(",") if m]
     plan = Plan(workers=args.workers, backend=args.backend, policy=args.policy, models=models, port=settings.port)
@@ -100,7 +106,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
         return 2
     if args.backend != "fixed" or args.policy != "static":
-        print("only --backend fixed --policy static exist so far (the hf engine is the next issue)", file=sys.stderr)
+        print("only --backend fixed --policy static exist so far (the torch engine is still to come)", file=sys.stderr)
         return 2
     engine = FixedLatencyEngine(settings.max_batch, settings.batch_ms, settings.fixed_poison, settings.fixed_hang)
     name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"

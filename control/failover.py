@@ -8,7 +8,9 @@ Every piece is one Lua script, so each step is atomic on the broker:
   (`kb:held:<replica>`: attempt id -> deadline, queue, waiting set, request key, message).
 - Before a batch runs, the replica *claims* each request (`kb:claim:<attempt>`). A claim
   held by a replica whose lease is alive cannot be taken: a re-queued copy never runs
-  while its first copy is running on a live replica.
+  while its first copy is running on a replica that holds its lease. (A replica that
+  lost its lease, paused past it, is presumed dead: when it wakes, the copy it was
+  running may finish too; DELIVER answers the client once and counts the other as waste.)
 - When a lease lapses, `SWEEP` puts every held request that is still wanted back at the
   front of its queue, or answers it `expired` (504) when its deadline leaves no time for
   another batch (or when it was re-queued `MAX_REQUEUES` times already: a prompt that

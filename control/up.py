@@ -269,21 +269,15 @@ class System:
     def _replica_died(self, name: str) -> None:
         """Release the dead replica's lease, so what it held is served by the others."""
         # Whatever this raises is logged: the supervisor keeps supervising.
-        try:
-            from control.failover import release_replica  # type: ignore[import-not-found, unused-ignore]
-        except ImportError:
-            return  # no failover in this build: nothing to release
-        except Exception as exc:  # noqa: BLE001
-            _log(f"replica {name}: release failed (import): {exc!r}")
-            return
-        import redis
+        from control import connect
+        from control.failover import release_replica
 
         assert self.redis_url is not None
-        client = redis.Redis.from_url(
+        client = connect.client(
             self.redis_url, socket_timeout=RELEASE_TIMEOUT_S, socket_connect_timeout=RELEASE_TIMEOUT_S
         )
         try:
-            released = release_replica(client, name)
+            released = release_replica(client, name, self.settings.batch_ms + self.settings.deadline_margin_ms)
             _log(f"replica {name}: released {released}")
         except Exception as exc:  # noqa: BLE001
             _log(f"replica {name}: release failed: {exc!r}")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -232,34 +231,24 @@ def _system(url: str) -> System:
     return System(Settings(redis_url=url), Plan(models=[MODEL]))
 
 
-def test_replica_died_releases_the_replica_through_a_short_timeout_client(
-    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`control.failover.release_replica` is the lead's; here, one that records its call."""
-    calls: list[tuple[dict[str, object], str, bool]] = []
-
-    def release_replica(client: redis.Redis, name: str) -> tuple[int, int]:
-        calls.append((client.connection_pool.connection_kwargs, name, bool(client.ping())))
-        return (1, 0)
-
-    monkeypatch.setitem(sys.modules, "control.failover", types.SimpleNamespace(release_replica=release_replica))
-    _system(broker.url)._replica_died("kb-small-1@host")
-    [(kwargs, name, pinged)] = calls
-    assert name == "kb-small-1@host" and pinged
-    assert kwargs["port"] == broker.port
-    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.5
+def test_replica_died_requeues_what_it_held(broker: EmbeddedBroker) -> None:
+    """What a dead replica held goes back to the front of its queue at once."""
+    state = redis.Redis.from_url(broker.url)
+    name, queue, waiting = "kb-small-1@host", p.queue_key(MODEL, "free"), p.waiting_key(MODEL, "free")
+    deadline_ms = time.time() * 1000 + 10_000
+    state.set(p.owner_key("t:req-1"), f"gw|{waiting}|t|attempt-1", px=10_000)
+    state.hset(p.held_key(name), "attempt-1", f"{deadline_ms:.0f}|{queue}|{waiting}|t:req-1|MESSAGE")
+    state.sadd(p.HOLDERS_KEY, name)
+    state.set(p.lease_key(name), 1, px=10_000)  # the supervisor does not wait for it to lapse
+    _system(broker.url)._replica_died(name)
+    assert state.lrange(queue, 0, -1) == [b"MESSAGE"]
+    assert state.zscore(waiting, "attempt-1") == round(deadline_ms)
+    assert not state.exists(p.held_key(name), p.lease_key(name))
 
 
-def test_replica_died_never_raises(broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch) -> None:
-    def release_replica(client: redis.Redis, name: str) -> tuple[int, int]:
-        client.ping()  # the broker is down: a ConnectionError
-        return (0, 0)
-
+def test_replica_died_never_raises(broker: EmbeddedBroker) -> None:
     system = _system(broker.url)
     broker.stop()
-    monkeypatch.setitem(sys.modules, "control.failover", types.SimpleNamespace(release_replica=release_replica))
     started = time.monotonic()
-    system._replica_died("kb-small-1@host")
+    system._replica_died("kb-small-1@host")  # the broker is down: logged, not raised
     assert time.monotonic() - started < 2
-    monkeypatch.setitem(sys.modules, "control.failover", None)  # not there: an ImportError
-    system._replica_died("kb-small-1@host")
