@@ -494,7 +494,7 @@ def _client_like(client: redis.Redis, **overrides: float) -> redis.Redis:
 
 def _broker_down(exc: BaseException | None) -> ApiError:
     if exc is not None:
-        log.warning("broker unreachable: %r", exc)
+        log.warning("broker unreachable: %r (%s)", exc, exc)
     return ApiError(503, "the broker is unreachable; retry shortly", "broker_unavailable", retry_after_s=1)
 
 

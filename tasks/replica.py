@@ -30,6 +30,8 @@ from tasks.engine import Engine, Output
 
 log = logging.getLogger(__name__)
 
+RECORD_MS = 3.0  # arrivals are written to the held hash in groups gathered this long
+
 
 @dataclass
 class Held:
@@ -134,6 +136,9 @@ class Replica:
         self.why_not_ready = ""
         self._renew_at_ms = 0.0  # monotonic
         self._batch_started = 0.0  # monotonic ms of the running batch's start
+        self._arrivals = threading.Condition()
+        self._unrecorded: list[p.Job] = []  # taken from the queue, not yet in the held hash
+        self._recorder = threading.Thread(target=self._record, name=f"held-{name}", daemon=True)
         self._claim = client.register_script(failover.CLAIM_LUA)
         self._deliver = client.register_script(failover.DELIVER_LUA)
         self._cond = threading.Condition()
@@ -152,6 +157,7 @@ class Replica:
         self._publish_state()
         self._loop.start()
         self._beat.start()
+        self._recorder.start()
 
     def _take_over_name(self) -> None:
         """A replica restarted under its old name first re-queues what the old one held
@@ -188,6 +194,7 @@ class Replica:
         self._loop.join(timeout_s)
         self._stopped.set()
         self._beat.join(timeout_s)
+        self._recorder.join(timeout_s)
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(p.replica_key(self.name)).srem(p.REPLICAS_KEY, self.name)
@@ -237,16 +244,33 @@ class Replica:
 
     def submit(self, job: p.Job) -> None:
         """Buffer one request (called from the consumer's thread, right after it took the
-        message from the queue). It goes into the held hash first, so that a sweep can
-        re-queue it if this replica dies: the batching loop may be inside a batch now."""
-        try:
-            self.redis.hset(p.held_key(self.name), job.id, self._held_record(job))
-        except redis.RedisError:
-            log.warning("could not record request %s as held", job.id)
+        message from the queue); the recorder thread writes it into the held hash at once,
+        so that a sweep can re-queue it if this replica dies."""
         pending = self._pending(job)
         with self._cond:
             self.collector.add(pending)
             self._cond.notify()
+        with self._arrivals:
+            self._unrecorded.append(job)
+            self._arrivals.notify()
+
+    def _record(self) -> None:
+        """Write arrivals into the held hash: one HSET for what arrived within `RECORD_MS`
+        of the first, so the consumer never waits for it and a pulled batch (a burst of
+        messages) costs a few round trips, not one each."""
+        while True:
+            with self._arrivals:
+                while not self._unrecorded and not self._stopped.is_set():
+                    self._arrivals.wait(0.5)
+                if not self._unrecorded:
+                    return
+            self._stopped.wait(RECORD_MS / 1000.0)
+            with self._arrivals:
+                jobs, self._unrecorded = self._unrecorded, []
+            try:
+                self.redis.hset(p.held_key(self.name), mapping={job.id: self._held_record(job) for job in jobs})
+            except redis.RedisError:
+                log.warning("could not record %d requests as held", len(jobs))
 
     def _pending(self, job: p.Job) -> Pending:
         return Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
