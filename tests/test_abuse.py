@@ -1,9 +1,15 @@
-"""The gateway under abuse: raw sockets against a real deployment."""
+"""The gateway under abuse (raw sockets against a real deployment), and noticing clients
+that hang up (api/disconnect.py in a real gevent pywsgi server)."""
 
 from __future__ import annotations
 
+import queue
 import select
 import socket
+import struct
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
+from api.disconnect import hangup_event
 from tests.conftest import Deployment, deployment
 
 MAX_CONNECTIONS = 40  # per gateway process
@@ -178,3 +185,67 @@ def test_each_gateway_process_holds_at_most_max_connections(kb_tight: Deployment
         s.close()
     assert _answer(late).startswith(b"HTTP/1.1 200 ")
     late.close()
+
+
+# -- noticing hang-ups -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hangup_server() -> Iterator[tuple[int, queue.Queue[str]]]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.hangup_server"], stdout=subprocess.PIPE, text=True, bufsize=1)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in stdout], daemon=True).start()
+    try:
+        yield int(lines.get(timeout=20)), lines
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _request(port: int, path: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n" % path.encode())
+    return sock
+
+
+def test_a_client_that_closes_or_resets_is_noticed_at_once(hangup_server: tuple[int, queue.Queue[str]]) -> None:
+    port, lines = hangup_server
+    sock = _request(port, "/closes?10")
+    assert lines.get(timeout=5) == "GET /closes watching"
+    sock.close()
+    assert lines.get(timeout=2) == "GET /closes gone"  # long before its 10 s
+    sock = _request(port, "/resets?10")
+    assert lines.get(timeout=5) == "GET /resets watching"
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # an RST, not a FIN
+    assert lines.get(timeout=2) == "GET /resets gone"
+
+
+def test_a_client_that_stays_or_pipelines_is_not_taken_for_gone(hangup_server: tuple[int, queue.Queue[str]]) -> None:
+    port, lines = hangup_server
+    with _request(port, "/stays?0.3") as sock:
+        assert [lines.get(timeout=5) for _ in range(2)] == ["GET /stays watching", "GET /stays stayed"]
+        # The same connection serves another request: the watch left nothing behind.
+        sock.sendall(b"GET /again?0.1 HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert [lines.get(timeout=5) for _ in range(2)] == ["GET /again watching", "GET /again stayed"]
+    with _request(port, "/first?0.3") as sock:
+        assert lines.get(timeout=5) == "GET /first watching"
+        # Pipelined while the first waits: its bytes reach the socket the watch is on.
+        sock.sendall(b"GET /second?0.1 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        want = ["GET /first stayed", "GET /second watching", "GET /second stayed"]  # peeked at, not taken
+        assert [lines.get(timeout=5) for _ in want] == want
+        assert _answer(sock).count(b"HTTP/1.1 200 OK") == 2
+
+
+def test_a_closed_watch_sets_nothing(hangup_server: tuple[int, queue.Queue[str]]) -> None:
+    port, lines = hangup_server
+    sock = _request(port, "/closed?0.5")
+    assert lines.get(timeout=5) == "GET /closed watching"
+    sock.close()
+    assert lines.get(timeout=5) == "GET /closed stayed"
+
+
+def test_no_client_socket_no_watch() -> None:
+    assert hangup_event({}) is None
