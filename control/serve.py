@@ -63,20 +63,9 @@ def handler_class(limits: RequestLimits) -> type:
     )
 
     class Handler(PyWSGIHandler):  # type: ignore[misc]
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            # Made once per connection and restarted per request: a fifth of the
-            # CPU of new ones (1 us against 5 here).
-            self.idle = gevent.Timeout(KEEPALIVE_S)
-            self.header_deadline = gevent.Timeout(limits.header_timeout_s)
-            self.body_deadline = gevent.Timeout(limits.body_timeout_s)
-
-        def handle(self) -> None:
-            try:
-                super().handle()
-            finally:
-                for timer in (self.idle, self.header_deadline, self.body_deadline):
-                    timer.close()
+        idle: gevent.Timeout | None = None  # keep-alive: waiting for a request's first byte
+        deadline: gevent.Timeout | None = None  # the request's header block's, then its body's
+        buffered_body = -1  # bytes of the body in memory with its header block (-1: unknown)
 
         def handle_one_request(self) -> Any:
             try:
@@ -84,7 +73,7 @@ def handler_class(limits: RequestLimits) -> type:
             except gevent.Timeout as timeout:
                 if timeout is self.idle:
                     return None
-                if timeout is self.header_deadline or timeout is self.body_deadline:
+                if timeout is self.deadline:
                     return self._refuse(timed_out)
                 raise
             except BodyTooLarge:
@@ -94,15 +83,13 @@ def handler_class(limits: RequestLimits) -> type:
             except OSError:
                 return None  # the client went away while sending: nobody to answer
             finally:
-                self.header_deadline.cancel()
-                self.body_deadline.cancel()
+                self._end_deadline()
 
         def _refuse(self, response: bytes) -> None:
             """Answer, then close so that the client reads the answer: a socket closed
             with unread bytes resets the connection, and the reset can overtake the
             answer. So stop sending and drop what still comes, for LINGER_S at most."""
-            self.header_deadline.cancel()
-            self.body_deadline.cancel()
+            self._end_deadline()
             with gevent.Timeout(LINGER_S, False):
                 try:
                     self.socket.sendall(response)
@@ -115,21 +102,29 @@ def handler_class(limits: RequestLimits) -> type:
         def read_requestline(self) -> Any:
             # A stopping worker waits for its open connections: an idle one
             # closes after KEEPALIVE_S, as gunicorn's own worker does it.
+            # (A new timer each time: a libev timer stopped and started again
+            # resumes its remaining time, it does not start over.)
+            self.idle = gevent.Timeout(KEEPALIVE_S)
             self.idle.start()
             try:
-                arrived = self.rfile.peek(1)  # b"" at EOF; pipelined bytes are there at once
+                buffered = self.rfile.peek(1)  # all that is in memory; b"" at EOF
             finally:
-                self.idle.cancel()
-            if not arrived:
+                self.idle.close()
+            if not buffered:
                 return None
-            self.header_deadline.start()  # from the first byte: waiting before it is keep-alive's
+            # Most requests come in one piece, and reading what is in memory needs
+            # no deadline: a timer is set only for what has yet to arrive.
+            end = buffered.find(b"\r\n\r\n")
+            self.buffered_body = len(buffered) - end - 4 if end >= 0 else -1
+            if end < 0:
+                self._start_deadline(limits.header_timeout_s)  # from the first byte
             return super().read_requestline()
 
         def MessageClass(self, fp: Any, *_args: Any) -> Any:  # noqa: N802 (pywsgi's name)
             return read_headers(fp)
 
         def get_environ(self) -> Any:
-            self.header_deadline.cancel()  # the header block is in
+            self._end_deadline()  # the header block is in
             environ = super().get_environ()
             chunked = self.wsgi_input.chunked_input
             if "HTTP_TRANSFER_ENCODING" in environ and not chunked:
@@ -143,14 +138,24 @@ def handler_class(limits: RequestLimits) -> type:
             """The whole body, within its deadline and size, handed to the app as bytes."""
             if (self.content_length or 0) > limits.max_body_bytes:
                 raise BodyTooLarge  # refused before a byte of it is read
-            self.body_deadline.start()
+            if self.wsgi_input.chunked_input or self.content_length > self.buffered_body:
+                self._start_deadline(limits.body_timeout_s)
             body = self.wsgi_input.read(limits.max_body_bytes + 1)  # to its end, or one byte over
-            self.body_deadline.cancel()
+            self._end_deadline()
             if len(body) > limits.max_body_bytes:
                 raise BodyTooLarge
             environ["wsgi.input"] = io.BytesIO(body)
             environ["CONTENT_LENGTH"] = str(len(body))
             environ.pop("HTTP_TRANSFER_ENCODING", None)  # the app sees a plain body
+
+        def _start_deadline(self, seconds: float) -> None:
+            self.deadline = gevent.Timeout(seconds)
+            self.deadline.start()
+
+        def _end_deadline(self) -> None:
+            if self.deadline is not None:
+                self.deadline.close()
+                self.deadline = None
 
         def log_request(self) -> None:
             pass  # the access log is off: skip gunicorn's per-request bookkeeping for it

@@ -118,6 +118,23 @@ def test_slowloris_headers_are_cut_at_the_header_deadline_while_others_are_serve
         s.close()
 
 
+def test_the_deadlines_and_the_idle_limit_are_per_request_not_per_connection(kb_tight: Deployment) -> None:
+    # Over four requests this kept-alive client idles 5.6 s in all (the idle limit is
+    # 5 s) and spends 1.6 s sending header blocks (their deadline is 1 s).
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % len(BODY)
+    with _connect(kb_tight) as s:
+        s.settimeout(10)
+        for _ in range(4):
+            time.sleep(1.4)  # the client's pace, as an IDE between keystrokes
+            s.sendall(head)
+            time.sleep(0.4)
+            s.sendall(b"\r\n" + BODY)
+            answer = s.recv(65_536)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:80]
+            while not answer.endswith(b"}"):  # the rest of the JSON body, if it came apart
+                answer += s.recv(65_536)
+
+
 def test_a_dribbled_body_is_cut_at_the_body_deadline(kb_tight: Deployment) -> None:
     slow = [_connect(kb_tight) for _ in range(10)]
     for s in slow:
