@@ -36,8 +36,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings()
     app = Flask(__name__)
     app.json = OrjsonProvider(app)
-    # Room for the largest prompt plus JSON quoting; larger bodies answer 413.
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_prompt_chars * 6 + 65_536
+    # Larger bodies answer 413 (the server refuses them before the app runs, control/serve.py).
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # A bounded pool: under a burst, requests wait for a connection instead of failing;
     # every call on the request path, and the wait for a connection, is bounded.
     bound_s = settings.broker_timeout_ms / 1000.0

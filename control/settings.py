@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     admin_token: str | None = None
     max_prompt_chars: int = Field(32_768, ge=1)
     max_tokens_limit: int = Field(256, ge=1)
+    header_timeout_s: float = Field(10.0, gt=0, description="a request line and header block arrive within this (408)")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body arrives within this of its headers (408)")
+    max_connections: int = Field(1000, ge=1, description="open connections per gateway process; more wait unaccepted")
 
     # Models and replicas.
     models: dict[str, str] = Field(
@@ -127,6 +130,11 @@ class Settings(BaseSettings):
         if url is None:
             raise RuntimeError("no state server: set KEYBATCH_REDIS_URL or start with `keybatch up`")
         return url
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body: the largest prompt plus JSON quoting (413 beyond)."""
+        return self.max_prompt_chars * 6 + 65_536
 
     def model_path(self, name: str) -> Path:
         path = Path(self.models[name])
