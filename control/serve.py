@@ -44,7 +44,7 @@ class BadFraming(ValueError):
 
 
 def handler_class(limits: RequestLimits) -> type:
-    """pywsgi's handler with deadlines for a request's arrival (docs/decisions/0007).
+    """pywsgi's handler with deadlines for a request's arrival (docs/decisions/0010).
 
     From a request's first byte its line and header block must arrive within
     `header_timeout_s`, then its body within `body_timeout_s`: whole deadlines,
@@ -252,7 +252,7 @@ class GatewayServer(BaseApplication):  # type: ignore[misc]
             "worker_class": _worker_class(s) if s.api_worker_class == "gevent" else "gthread",
             "threads": s.api_threads if s.api_worker_class == "gthread" else 1,
             # Per process; beyond it the process stops accepting and new connections
-            # wait in the listen backlog (docs/decisions/0007).
+            # wait in the listen backlog (docs/decisions/0010).
             "worker_connections": s.max_connections,
             "backlog": 4096,
             # An idle keep-alive connection holds a stopping worker until it times
