@@ -13,6 +13,7 @@ from flask import Blueprint, Response, current_app, jsonify, request, stream_wit
 from pydantic import ValidationError
 
 from api import peers
+from api.disconnect import hangup_event
 from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
 from api.schemas import CompletionRequest
@@ -144,7 +145,7 @@ def create_completion() -> Response:
         raise
     if req.stream:
         return _stream(gw, waiter)
-    gw.wait(waiter)
+    _wait(gw, waiter)
     try:
         body = _answer(gw, waiter)
     except ApiError as err:  # the region lost its broker or replicas while the request waited
@@ -155,6 +156,16 @@ def create_completion() -> Response:
     resp = jsonify(body)
     resp.headers["X-Request-Id"] = request_id
     return resp
+
+
+def _wait(gw: Gateway, waiter: Waiter) -> None:
+    """Wait for the answer; a client that hangs up meanwhile cancels its request."""
+    watch = hangup_event(request.environ)
+    try:
+        gw.wait(waiter, watch.event if watch is not None else None)
+    finally:
+        if watch is not None:
+            watch.close()  # before the server reads the socket again
 
 
 def _answer(gw: Gateway, waiter: Waiter) -> dict:
@@ -220,7 +231,10 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
     """Server-sent events in OpenAI's chunk format (one text chunk until the hf engine streams)."""
 
     def events() -> Iterator[str]:
-        gw.wait(waiter)
+        # A comment first: the headers (with the request's id, which is how an anonymous
+        # caller learns what it may cancel) go out now, not with the completion.
+        yield ": keybatch\n\n"
+        _wait(gw, waiter)
         try:
             body = _answer(gw, waiter)
         except ApiError as err:

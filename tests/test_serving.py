@@ -203,3 +203,20 @@ def test_openai_client_library(kb: Deployment) -> None:
         assert err.status_code == 404
     else:
         raise AssertionError("expected a 404")
+
+
+def test_a_client_that_hangs_up_cancels_its_request(kb: Deployment) -> None:
+    before = kb.metric("keybatch_dropped_before_batch_total", reason="gone")
+    busy = _busy_replicas(kb)
+    body = b'{"model": "kb-small", "prompt": "never mind"}'
+    host, port = kb.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.03)  # admitted and queued behind the busy replicas
+    [f.result() for f in busy]
+    # It takes no batch slot: the replica drops it when it next forms a batch.
+    assert _dropped_count_becomes(kb, "gone", before + 1) == before + 1
