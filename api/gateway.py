@@ -148,11 +148,13 @@ class Waiter:
 
 class BrokerHealth:
     """Is the broker answering? It is down once a call failed or exceeded its bound and
-    nothing has answered for `down_after_ms` (new requests then get 503 without trying);
-    every answer (an admission, a reply, the health loop's probe) marks it up. One slow
-    call on a busy process is not an outage while other calls are answered."""
+    nothing has answered for `down_after_ms` (new requests then get 503 without trying;
+    until then each finds out by its own bounded call, so a 503 still comes within the
+    bound); every answer (an admission, a reply, the health loop's probe) marks it up.
+    A process starved of CPU for a moment misses bounds with a healthy broker: that is
+    not an outage while calls keep being answered."""
 
-    def __init__(self, down_after_ms: float = 100.0) -> None:
+    def __init__(self, down_after_ms: float = 250.0) -> None:
         self.down_after_s = down_after_ms / 1000.0
         self._last_ok = time.monotonic()
         self._last_failure = 0.0

@@ -30,6 +30,11 @@ RESTART_MAX_S = 10.0
 HEALTHY_AFTER_S = 30.0  # a child that lived this long restarts at the first delay again
 POLL_S = 0.1  # SIGCHLD wakes the loop on a death; this bounds a missed one
 RELEASE_TIMEOUT_S = 0.5
+# A replica started again boots (Python, Celery: a second or two of a core) at a low
+# priority, so that on a shared host it does not take the CPU the serving processes
+# need while the fleet is short of one; it gets the normal priority once it has booted.
+RESTART_NICE = 10
+RENICE_AFTER_S = 5.0
 REPLICAS_PER_MODEL = 2  # the default: one can die or restart while the other serves
 
 
@@ -98,6 +103,7 @@ class Child:
     index: int = 0
     started_at: float = 0.0
     restart_at: float | None = None  # set while it is dead
+    renice_at: float | None = None  # a restarted replica's normal priority is due then
     backoff: Backoff = field(default_factory=Backoff)
 
     @property
@@ -161,7 +167,9 @@ class System:
             assert self.broker is not None
             self.broker.start()
         elif child.kind == "replica":
-            proc = _spawn(self._replica_cmd(child), self.env(), self.out)
+            restarted = child.index < len(self.workers)
+            proc = _spawn(self._replica_cmd(child), self.env(), self.out, RESTART_NICE if restarted else 0)
+            child.renice_at = time.monotonic() + RENICE_AFTER_S if restarted else None
             if child.index < len(self.workers):
                 self.workers[child.index] = proc
             else:
@@ -235,6 +243,11 @@ class System:
     def heal(self) -> None:
         """Notice the children that died; restart those whose backoff has passed."""
         for child in self.children:
+            if child.renice_at is not None and time.monotonic() >= child.renice_at:
+                child.renice_at = None
+                proc = self._proc(child)
+                if proc is not None:
+                    _renice(proc.pid, 0)
             if child.restart_at is None:
                 proc = self._proc(child)
                 code = proc.poll() if proc is not None else -1
@@ -307,12 +320,30 @@ def _end_group(pgid: int) -> None:
         pass
 
 
-def _spawn(cmd: list[str], env: dict[str, str], out: object) -> subprocess.Popen[bytes]:
+def _spawn(cmd: list[str], env: dict[str, str], out: object, niceness: int = 0) -> subprocess.Popen[bytes]:
     """A child in its own session (Ctrl-C reaches only the supervisor, which stops the
     children in order) that gets SIGTERM if the supervisor dies without stopping it."""
-    return subprocess.Popen(
-        cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=child_of(os.getpid())
-    )
+    preexec = child_of(os.getpid())
+
+    def start() -> None:
+        preexec()
+        if niceness:
+            os.nice(niceness)
+
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=start)
+
+
+def _renice(pid: int, niceness: int) -> None:
+    """Every thread of the process (Linux keeps a priority per thread)."""
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:
+            pass  # gone, or not ours to raise (a supervisor without the privilege)
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> int:
