@@ -338,11 +338,12 @@ class Gateway:
             if waiter.event.wait(timeout_s) if hangup is None else self._wait_or_hangup(waiter, timeout_s, hangup):
                 return
             gone = waiter.item is None and hangup is not None and waiter.job.deadline_ms > self.clock.now_ms()
-            reason = "gone" if gone else "expired"
+            # At the deadline with the broker silent, the broker is why: 503, not 504.
+            reason = "gone" if gone else "unavailable" if self.health.silent_s > 0 else "expired"
             waiter.resolve(
                 p.Cancelled(id=waiter.attempt, reason=reason)
                 if gone
-                else p.Dropped(id=waiter.attempt, reason="expired", replica="")
+                else p.Dropped(id=waiter.attempt, reason=reason, replica="")
             )
             self._give_up(waiter, reason)
         finally:
@@ -399,7 +400,7 @@ class Gateway:
                 failed_waiting = False
             except redis.RedisError:
                 self.health.failed()
-                if self.health.silent_s >= 2 * self.health.down_after_s and not failed_waiting:
+                if self.health.is_down and not failed_waiting:
                     self._fail_all_waiting()  # nothing will come back to them
                     failed_waiting = True
             except Exception:

@@ -116,9 +116,11 @@ class Peers:
 
     def forward(self, job: p.Job, gw: Gateway) -> Response | None:
         body = request.get_data(cache=True)  # the handler parsed it already; the bytes are kept
+        # A peer cannot run a batch in less than a batch time: the refusal stands then.
+        least_ms = max(MIN_BUDGET_MS, gw.settings.batch_ms + gw.settings.deadline_margin_ms)
         for peer in self.peers:
             budget_ms = job.deadline_ms - gw.clock.now_ms()
-            if budget_ms < MIN_BUDGET_MS:
+            if budget_ms < least_ms:
                 break
             answer = self._try(peer, body, self._headers(job, budget_ms), budget_ms, job.stream)
             if answer is not None:

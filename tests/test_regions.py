@@ -8,7 +8,6 @@ gateway too.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import time
@@ -84,11 +83,10 @@ def served_elsewhere_without_replicas(a: Deployment, b: Deployment) -> None:
     assert [r.json()["id"] for r in answers] == [f"fwd-{i}" for i in range(6)]
     assert [r.json()["keybatch"]["tier"] for r in answers] == ["free", "paid"] * 3  # the key went along
 
-    # What remains of the budget goes along (less than the 100 ms sent): too short for a batch at b.
+    # A budget shorter than a batch could not be met at b either: the refusal stands.
     short = a.post(**{"X-Deadline-Ms": "100"})
-    assert short.status_code == 504
-    remaining = re.fullmatch(r"a deadline of (\d+) ms is shorter than one batch .*", short.json()["error"]["message"])
-    assert remaining is not None and 0 < int(remaining[1]) < 100
+    assert short.status_code == 503
+    assert short.json()["error"]["code"] == "no_replica"
 
     stream = requests.post(
         f"{a.url}/v1/completions",
@@ -98,12 +96,11 @@ def served_elsewhere_without_replicas(a: Deployment, b: Deployment) -> None:
     )
     assert stream.status_code == 200
     assert stream.headers["Content-Type"].startswith("text/event-stream")
-    events = [line.removeprefix("data: ") for line in stream.text.splitlines() if line]
+    events = [line.removeprefix("data: ") for line in stream.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[0])["keybatch"]["replica"].startswith(f"{MODEL}-1.b@")
 
     assert a.metric("keybatch_forwarded_total", peer=b.url, status="200") == 7
-    assert a.metric("keybatch_forwarded_total", peer=b.url, status="504") == 1
 
 
 def broker_and_replicas_die(a: Deployment, b: Deployment) -> None:
