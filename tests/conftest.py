@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,6 +18,16 @@ from control.up import Plan, System
 
 PAID_KEY, FREE_KEY = "test-paid", "test-free"
 MODEL = "kb-small"
+
+
+def until(check: Callable[[], object], timeout_s: float = 10.0, every_s: float = 0.05) -> bool:
+    """Poll `check` until it is true or `timeout_s` has passed: a state, not a sleep."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(every_s)
+    return False
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 import redis
 import requests
 
-from tests.conftest import MODEL, Deployment, deployment
+from tests.conftest import MODEL, Deployment, deployment, until
 
 BUDGET = {"X-Deadline-Ms": "2000"}
 
@@ -37,15 +37,6 @@ def _held(kb: Deployment) -> dict[str, int]:
     return {k.decode(): state.hlen(k) for k in state.keys("kb:held:*")}
 
 
-def _until(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _replica_for(kb: Deployment, pid: int) -> str:
     state = redis.Redis.from_url(kb.system.redis_url)
     for name in state.smembers("kb:replicas"):
@@ -59,7 +50,7 @@ def test_a_replica_killed_mid_batch_loses_no_request() -> None:
         victim = kb.system.workers[0]
         name = _replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert _until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)  # it holds some of them
+        assert until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)  # it holds some of them
         victim.send_signal(signal.SIGKILL)
         answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
@@ -73,7 +64,7 @@ def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None
         victim = kb.system.workers[0]
         name = _replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert _until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)
+        assert until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)
         victim.send_signal(signal.SIGSTOP)
         try:
             answers = [f.result() for f in futures]
@@ -81,7 +72,7 @@ def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None
             victim.send_signal(signal.SIGCONT)
         assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
         # Back from its pause, it runs what it still had: those answers are counted as waste, never sent.
-        assert _until(lambda: kb.metric("keybatch_wasted_results_total") > 0, 5)
+        assert until(lambda: kb.metric("keybatch_wasted_results_total") > 0, 5)
         assert kb.post().status_code == 200
 
 
@@ -104,8 +95,8 @@ def test_a_replica_whose_clock_is_off_still_meets_deadlines(fleet: Deployment) -
         for worker in fleet.system.workers:  # the skewed replica alone serves
             worker.send_signal(signal.SIGSTOP)
         state = redis.Redis.from_url(fleet.system.redis_url)
-        assert _until(lambda: state.exists("kb:lease:skewed@test") and len(state.keys("kb:lease:*")) == 1, 15)
-        assert _until(lambda: fleet.post().status_code == 200, 5)
+        assert until(lambda: state.exists("kb:lease:skewed@test") and len(state.keys("kb:lease:*")) == 1, 15)
+        assert until(lambda: fleet.post().status_code == 200, 5)
         answers = [f.result() for f in _burst(fleet, 10)]
         assert [a.status_code for a in answers] == [200] * 10
         assert {a.json()["keybatch"]["replica"] for a in answers} == {"skewed@test"}
@@ -137,7 +128,7 @@ def test_a_stalled_broker_answers_503_at_once_and_service_returns_by_itself(flee
     assert {code for code, _ in during} == {503}
     assert max(t for _, t in during) < 0.2
     assert set(held) <= {200, 503}
-    assert _until(lambda: fleet.post().status_code == 200, 5)
+    assert until(lambda: fleet.post().status_code == 200, 5)
     assert requests.get(f"{fleet.url}/readyz", timeout=5).status_code == 200
 
 
@@ -148,4 +139,4 @@ def test_a_batch_that_hangs_ends_its_replica_and_its_request_is_answered() -> No
         # not running here, would start a fresh one); its lease lapsed long before, so the request
         # was re-queued, hung the other replica too, and is answered, never left waiting.
         assert hung.result(10).status_code in (503, 504)  # 503 once no replica is left
-        assert _until(lambda: sorted(w.poll() or 0 for w in kb.system.workers) == [3, 3], 10)
+        assert until(lambda: sorted(w.poll() or 0 for w in kb.system.workers) == [3, 3], 10)

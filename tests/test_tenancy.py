@@ -7,12 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment, free_port
+from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment, free_port, until
 from tests.test_serving import _queued_behind_busy_replicas
 
 
@@ -100,7 +99,7 @@ def test_a_retry_through_another_gateway_takes_the_request_over(kb: Deployment) 
     )
     try:
         b_url = f"http://127.0.0.1:{port}"
-        assert _until(lambda: _ready(b_url), 20)
+        assert until(lambda: _ready(b_url), 20)
         queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "moved-1"})
         retry = requests.post(
             f"{b_url}/v1/completions",
@@ -122,12 +121,3 @@ def _ready(url: str) -> bool:
         return requests.get(f"{url}/readyz", timeout=1).status_code == 200
     except requests.RequestException:
         return False
-
-
-def _until(check, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return False
