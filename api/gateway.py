@@ -162,8 +162,12 @@ class BrokerHealth:
     def ok(self) -> None:
         self._last_ok = time.monotonic()
 
-    def failed(self) -> None:
-        self._last_failure = time.monotonic()
+    def failed(self, exc: BaseException | None = None) -> None:
+        """A call failed; a refused connection (no broker process there) is down at once."""
+        now = time.monotonic()
+        self._last_failure = now
+        if exc is not None and isinstance(exc.__context__, ConnectionRefusedError):
+            self._last_ok = min(self._last_ok, now - self.down_after_s)
 
     @property
     def silent_s(self) -> float:
@@ -312,7 +316,7 @@ class Gateway:
         try:
             status, paid, free, extra = self._admit(keys, args)  # type: ignore[misc]
         except redis.RedisError as exc:
-            self.health.failed()
+            self.health.failed(exc)
             raise _broker_down(exc) from exc
         self.health.ok()
         if status == 2:  # answered within the idempotency window: the same answer again
@@ -366,8 +370,8 @@ class Gateway:
             return
         try:
             self._cancel(args=[waiter.job.key, reason, "", waiter.attempt])
-        except redis.RedisError:
-            self.health.failed()  # the broker is away; the answer stands all the same
+        except redis.RedisError as exc:
+            self.health.failed(exc)  # the broker is away; the answer stands all the same
 
     def cancel(self, key: str, reason: str, tenant: str) -> bool:
         """Cancel the request with this key on any gateway; False if `tenant` has none."""
@@ -376,7 +380,7 @@ class Gateway:
         try:
             return bool(self._cancel(args=[key, reason, tenant, ""]))
         except redis.RedisError as exc:
-            self.health.failed()
+            self.health.failed(exc)
             raise _broker_down(exc) from exc
 
     # -- the broker's health, and the sweep of lapsed leases -------------------------
@@ -398,8 +402,8 @@ class Gateway:
                     last_sync = time.monotonic()
                 self.health.ok()
                 failed_waiting = False
-            except redis.RedisError:
-                self.health.failed()
+            except redis.RedisError as exc:
+                self.health.failed(exc)
                 if self.health.is_down and not failed_waiting:
                     self._fail_all_waiting()  # nothing will come back to them
                     failed_waiting = True
