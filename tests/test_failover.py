@@ -23,7 +23,7 @@ BUDGET = {"X-Deadline-Ms": "2000"}
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Deployment]:
-    with deployment(workers=2, fixed_poison="POISON") as d:
+    with deployment(workers=2, fixed_poison="POISON", idempotency_window_s="1") as d:
         yield d
 
 
@@ -140,3 +140,13 @@ def test_a_batch_that_hangs_ends_its_replica_and_its_request_is_answered() -> No
         # was re-queued, hung the other replica too, and is answered, never left waiting.
         assert hung.result(10).status_code in (503, 504)  # 503 once no replica is left
         assert until(lambda: sorted(w.poll() or 0 for w in kb.system.workers) == [3, 3], 10)
+
+
+def test_a_stored_answer_is_kept_for_the_idempotency_window_only(fleet: Deployment) -> None:
+    first = fleet.post(**{"X-Request-Id": "kept-1"})
+    again = fleet.post(**{"X-Request-Id": "kept-1"})
+    assert again.json()["keybatch"]["batch_ms"] == first.json()["keybatch"]["batch_ms"]  # the stored one
+    time.sleep(1.1)  # the window (IDEMPOTENCY_WINDOW_S=1) is a TTL on the broker: nothing to poll
+    later = fleet.post(**{"X-Request-Id": "kept-1"})
+    assert later.status_code == 200
+    assert later.json()["keybatch"]["batch_ms"] != first.json()["keybatch"]["batch_ms"]  # it ran again

@@ -1,0 +1,81 @@
+"""The replica on a real Valkey without Celery: an engine that raises for a whole batch
+fails only the request that makes it raise."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from control import protocol as p
+from control.broker import EmbeddedBroker
+from control.clock import BrokerClock
+from tasks.collector import CollectorConfig
+from tasks.engine import BatchControl, FixedLatencyEngine, Output
+from tasks.replica import Replica
+from tests.conftest import MODEL, until
+
+
+class RaisingEngine(FixedLatencyEngine):
+    """A batch holding the poison raises as a whole (as a forward pass would)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_batch=8, batch_ms=20.0)
+        self.runs: list[int] = []
+
+    def run(self, jobs: list[p.Job], control: BatchControl) -> list[Output]:
+        self.runs.append(len(jobs))
+        if any("POISON" in job.prompt for job in jobs):
+            raise RuntimeError("shape mismatch")
+        return super().run(jobs, control)
+
+
+@pytest.fixture
+def state() -> Iterator[redis.Redis]:
+    with EmbeddedBroker() as broker:
+        yield redis.Redis.from_url(broker.url)
+
+
+def _job(i: int, prompt: str, now_ms: float) -> p.Job:
+    return p.Job(
+        id=f"a{i}",
+        key=f"t:r{i}",
+        model=MODEL,
+        prompt=prompt,
+        gateway="gw",
+        received_ms=now_ms,
+        deadline_ms=now_ms + 5_000,
+    )
+
+
+def test_a_batch_the_engine_raises_for_is_halved_until_the_culprit_fails_alone(state: redis.Redis) -> None:
+    engine = RaisingEngine()
+    clock = BrokerClock(state)
+    config = CollectorConfig(max_batch=8, max_wait_ms=50.0, batch_ms=20.0)
+    replica = Replica("r-test", MODEL, engine, config, state, clock, lease_ms=1000.0)
+    replica.start()
+    try:
+        now = clock.now_ms()
+        prompts = [f"ok {i}" for i in range(7)] + ["POISON"]
+        for i in range(len(prompts)):  # admitted: each has an owner pointing at "gw"
+            state.set(p.owner_key(f"t:r{i}"), f"gw|{p.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+        for i, prompt in enumerate(prompts):
+            replica.submit(_job(i, prompt, now))
+        items: list[dict] = []
+        assert until(lambda: _collect(state, items) >= 8, 5)
+    finally:
+        replica.stop()
+    kinds = {item["id"]: item["kind"] for item in items}
+    assert kinds == {**{f"a{i}": "result" for i in range(7)}, "a7": "failed"}
+    assert [item for item in items if item["kind"] == "failed"][0]["per_request"] is True
+    assert engine.runs[0] == 8 and len(engine.runs) <= 1 + 2 * 3  # halved, not one by one
+
+
+def _collect(state: redis.Redis, items: list[dict]) -> int:
+    for raw in state.lrange(p.reply_key("gw"), 0, -1):
+        items.extend(p.Reply.model_validate_json(raw).model_dump()["items"])
+    state.delete(p.reply_key("gw"))
+    time.sleep(0.01)
+    return len(items)
