@@ -233,7 +233,11 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
     def events() -> Iterator[str]:
         # A comment first: the headers (with the request's id, which is how an anonymous
         # caller learns what it may cancel) go out now, not with the completion.
-        yield ": keybatch\n\n"
+        try:
+            yield ": keybatch\n\n"
+        except GeneratorExit:  # the client went before the first write: never waited for
+            gw.abandon(waiter)
+            raise
         _wait(gw, waiter)
         try:
             body = _answer(gw, waiter)

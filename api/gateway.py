@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
 EARLY_KEEP_S = 2.0  # an answer for a request this process has not registered yet (a join in flight)
 
-CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4])"
+OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this much
+
+CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
 # ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
@@ -50,6 +52,14 @@ if ARGV[9] ~= '' then
   if done then return {2, 0, 0, done} end
 end
 local current = redis.call('GET', KEYS[1])
+if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
+  -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
+  -- that attempt any more; drop it and admit the retry as a new one.
+  local _, waiting, _, attempt = owner_parts(current)
+  redis.call('SET', 'kb:cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
+  redis.call('ZREM', waiting, attempt)
+  current = nil
+end
 if current then
   -- A retry joins the attempt in flight; its answer now comes here.
   local gateway, waiting, tenant, attempt = owner_parts(current)
@@ -75,10 +85,10 @@ redis.call('ZADD', own, ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[4], ARGV[8])
 if KEYS[5] then
   local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
-  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '') end
+  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
 end
 return {1, paid, free, ''}
-"""
+""".replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS)).replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
 )
 
 
@@ -306,7 +316,7 @@ class Gateway:
         ]
         if session_key:
             keys.append(p.session_key(session_key))
-        ttl = int(job.deadline_ms - job.received_ms) + 5_000
+        ttl = int(job.deadline_ms - job.received_ms) + OWNER_SLACK_MS
         message = self._task_message(job)
         tenant = job.key.partition(":")[0]
         owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}"
@@ -354,6 +364,15 @@ class Gateway:
             self._forget(waiter)
             self.metrics.inflight.dec()
 
+    def abandon(self, waiter: Waiter) -> None:
+        """The client went before its wait began: give the request up, as `wait` would."""
+        try:
+            waiter.resolve(p.Cancelled(id=waiter.attempt, reason="gone"))
+            self._give_up(waiter, "gone")
+        finally:
+            self._forget(waiter)
+            self.metrics.inflight.dec()
+
     @staticmethod
     def _wait_or_hangup(waiter: Waiter, timeout_s: float, hangup: object) -> bool:
         """True once answered; False at the deadline or when the client has gone."""
@@ -369,7 +388,7 @@ class Gateway:
         if joined:
             return
         try:
-            self._cancel(args=[waiter.job.key, reason, "", waiter.attempt])
+            self._cancel(args=[waiter.job.key, reason, "", waiter.attempt, self.id])
         except redis.RedisError as exc:
             self.health.failed(exc)  # the broker is away; the answer stands all the same
 
@@ -378,7 +397,7 @@ class Gateway:
         if self.health.is_down:
             raise _broker_down(None)
         try:
-            return bool(self._cancel(args=[key, reason, tenant, ""]))
+            return bool(self._cancel(args=[key, reason, tenant, "", ""]))
         except redis.RedisError as exc:
             self.health.failed(exc)
             raise _broker_down(exc) from exc

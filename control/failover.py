@@ -45,13 +45,15 @@ local function notify(gateway, item)
   redis.call('EXPIRE', key, REPLY_TTL_S)
 end
 
--- Cancel the request with this key ('' tenant or attempt: any), tell its gateway.
-local function cancel(key, reason, tenant, attempt)
+-- Cancel the request with this key, tell its gateway. '' for tenant, attempt or holder
+-- means any; a gateway giving up passes itself as holder (a retry elsewhere may own it now).
+local function cancel(key, reason, tenant, attempt, holder)
   local owner = redis.call('GET', 'kb:req:' .. key)
   if not owner then return 0 end
   local gateway, waiting, who, att = owner_parts(owner)
   if tenant ~= '' and tenant ~= who then return 0 end
   if attempt ~= '' and attempt ~= att then return 0 end
+  if holder and holder ~= '' and holder ~= gateway then return 0 end
   redis.call('SET', 'kb:cancel:' .. att, reason, 'PX', CANCEL_TTL_MS)
   redis.call('DEL', 'kb:req:' .. key)
   redis.call('ZREM', waiting, att)
@@ -100,7 +102,7 @@ local function sweep(holder, min_ms)
         redis.call('ZADD', waiting, deadline, id)
         requeued = requeued + 1
       else
-        expired = expired + cancel(key, 'expired', '', id)
+        expired = expired + cancel(key, 'expired', '', id, '')
       end
     end
   end
@@ -133,6 +135,28 @@ for _, holder in ipairs(redis.call('SMEMBERS', 'kb:holders')) do
   end
 end
 return {swept, requeued, expired}
+"""
+)
+
+# ARGV: replica, then per request: attempt, request key, held record. Records only the
+# requests still in flight under that attempt: one answered or dropped meanwhile (its
+# owner gone) must not come back into the held hash.
+RECORD_LUA = (
+    LUA_LIB
+    + """
+local held = 'kb:held:' .. ARGV[1]
+local n = 0
+for i = 2, #ARGV, 3 do
+  local owner = redis.call('GET', 'kb:req:' .. ARGV[i + 1])
+  if owner then
+    local _, _, _, att = owner_parts(owner)
+    if att == ARGV[i] then
+      redis.call('HSET', held, ARGV[i], ARGV[i + 2])
+      n = n + 1
+    end
+  end
+end
+return n
 """
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from control.connect import check_url
 
 Tier = Literal["paid", "free"]
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 Backend = Literal["fixed", "hf"]
 Policy = Literal["static", "continuous"]
 
@@ -96,6 +98,14 @@ class Settings(BaseSettings):
     # Regions: a gateway that cannot serve a request forwards it to these, in order.
     region: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="this deployment's region name")
     peers: list[str] = Field(default_factory=list, description="peer regions' gateway base URLs (JSON list)")
+
+    @field_validator("models")
+    @classmethod
+    def _check_model_names(cls, models: dict[str, str]) -> dict[str, str]:
+        bad = [name for name in models if not _MODEL_NAME.fullmatch(name)]
+        if bad:  # names go into broker keys that the failover scripts split on '|'
+            raise ValueError(f"model names are 1-64 of A-Z a-z 0-9 . _ -: {', '.join(map(repr, bad))}")
+        return models
 
     @field_validator("redis_url", "broker_url")
     @classmethod

@@ -140,6 +140,7 @@ class Replica:
         self._unrecorded: list[p.Job] = []  # taken from the queue, not yet in the held hash
         self._recorder = threading.Thread(target=self._record, name=f"held-{name}", daemon=True)
         self._claim = client.register_script(failover.CLAIM_LUA)
+        self._record_held = client.register_script(failover.RECORD_LUA)
         self._deliver = client.register_script(failover.DELIVER_LUA)
         self._cond = threading.Condition()
         self._stopping = False
@@ -267,8 +268,11 @@ class Replica:
             self._stopped.wait(RECORD_MS / 1000.0)
             with self._arrivals:
                 jobs, self._unrecorded = self._unrecorded, []
-            try:
-                self.redis.hset(p.held_key(self.name), mapping={job.id: self._held_record(job) for job in jobs})
+            args: list[object] = [self.name]
+            for job in jobs:
+                args += [job.id, job.key, self._held_record(job)]
+            try:  # only those still in flight: one answered meanwhile must not come back
+                self._record_held(args=args)
             except redis.RedisError:
                 log.warning("could not record %d requests as held", len(jobs))
 
@@ -354,6 +358,11 @@ class Replica:
                 pending = self._pending(job)
                 pending.payload.message = raw
                 self.collector.add(pending)
+        if late_paid:  # those left in the buffer too (those launched now are also in the launch's pipeline)
+            with self._arrivals:
+                self._unrecorded.extend(job for job, _raw in late_paid)
+                self._arrivals.notify()
+        with self._cond:
             for pending in self.collector.remove(set(reasons)):
                 dropped[reasons[pending.id]].append(pending)
             now = self.clock.now_ms()
@@ -415,7 +424,10 @@ class Replica:
             return batch
         lost = [pd.id for pd, ok in zip(batch, claimed, strict=True) if not ok]
         log.info("%d requests of the batch run on another replica", len(lost))
-        self.redis.hdel(p.held_key(self.name), *lost)
+        try:
+            self.redis.hdel(p.held_key(self.name), *lost)
+        except redis.RedisError:
+            pass  # a stale held entry is swept harmlessly: the claim shows who runs it
         kept = [pd for pd, ok in zip(batch, claimed, strict=True) if ok]
         if not kept:
             self.busy = False
