@@ -30,9 +30,8 @@ MASTER_NAME = "kb"
 DOWN_AFTER_MS = 1500
 FAILOVER_TIMEOUT_MS = 3000
 # Measured on the 2-core machine: the sentinel promotes the replica 2.6-3.7 s after the
-# kill; the first 200 comes 3.3-6.7 s after it, when the replica's Celery consumer next
-# retries (2 s, then 4 s more, then 6: docs/decisions/0007). A promotion slower than
-# 6 s would wait for the retry at 12 s.
+# kill; the first 200 comes 3.8-4.2 s after it, at the replica's consumer's next retry
+# (every 0.25-1 s: docs/decisions/0007).
 RECOVERY_BOUND_S = 20.0
 
 
