@@ -1,10 +1,10 @@
 """One model replica: a buffer, a batching loop and the Redis glue around them.
 
-No Celery here: the Celery consumer hands each request to `Replica.submit`. The
-loop thread records what arrived in the replica's held hash and renews its lease
-(control/failover.py), waits until the collector says a batch is due, checks the
-whole buffer for cancels in one MGET, claims the batch, runs the engine, and
-answers every gateway in one delivery script.
+No Celery here: the Celery consumer hands each request to `Replica.submit`. A
+recorder thread writes what arrived into the replica's held hash; the loop thread
+renews the replica's lease (control/failover.py), waits until the collector says a
+batch is due, checks the whole buffer for cancels in one MGET, claims the batch,
+runs the engine, and answers every gateway in one delivery script.
 """
 
 from __future__ import annotations
@@ -245,20 +245,26 @@ class Replica:
 
     def submit(self, job: p.Job) -> None:
         """Buffer one request (called from the consumer's thread, right after it took the
-        message from the queue); the recorder thread writes it into the held hash at once,
-        so that a sweep can re-queue it if this replica dies."""
+        message from the queue); the recorder thread writes it into the held hash within
+        `RECORD_MS`, so that a sweep can re-queue it if this replica dies."""
         pending = self._pending(job)
         with self._cond:
             self.collector.add(pending)
             self._cond.notify()
+        self._hold([job])
+
+    def _hold(self, jobs: list[p.Job]) -> None:
+        """Hand requests to the recorder thread."""
+        if not jobs:
+            return
         with self._arrivals:
-            self._unrecorded.append(job)
+            self._unrecorded.extend(jobs)
             self._arrivals.notify()
 
     def _record(self) -> None:
-        """Write arrivals into the held hash: one HSET for what arrived within `RECORD_MS`
-        of the first, so the consumer never waits for it and a pulled batch (a burst of
-        messages) costs a few round trips, not one each."""
+        """Write arrivals into the held hash: one RECORD script call for what arrived within
+        `RECORD_MS` of the first, so the consumer never waits for it and a pulled batch (a
+        burst of messages) costs a few round trips, not one each."""
         while True:
             with self._arrivals:
                 while not self._unrecorded and not self._stopped.is_set():
@@ -358,11 +364,6 @@ class Replica:
                 pending = self._pending(job)
                 pending.payload.message = raw
                 self.collector.add(pending)
-        if late_paid:  # those left in the buffer too (those launched now are also in the launch's pipeline)
-            with self._arrivals:
-                self._unrecorded.extend(job for job, _raw in late_paid)
-                self._arrivals.notify()
-        with self._cond:
             for pending in self.collector.remove(set(reasons)):
                 dropped[reasons[pending.id]].append(pending)
             now = self.clock.now_ms()
@@ -374,6 +375,9 @@ class Replica:
                 self._pull_at_ms = self._ends_at_ms - self.pull_lead_ms
                 self._batch_started = _monotonic_ms()
                 self.busy = True
+        if late_paid:  # those launched now are recorded by the launch itself (`_settle`)
+            launched = {pending.id for pending in batch}
+            self._hold([job for job, _raw in late_paid if job.id not in launched])
         return batch, {reason: group for reason, group in dropped.items() if group}
 
     def _settle(self, batch: list[Pending], dropped: dict[str, list[Pending]]) -> list[Pending]:
