@@ -26,6 +26,7 @@ from control import admission, failover
 from control import protocol as p
 from control.admission import Capacity, Limits, Verdict
 from control.clock import BrokerClock, Clock
+from control.connect import client_like
 from control.fleet import FleetView
 from control.settings import Settings
 from tasks.app import TaskMessages
@@ -216,8 +217,8 @@ class Gateway:
         self._cancel = client.register_script(CANCEL_LUA)
         # Blocking reads and background probes get their own connections and bounds.
         bound_s = settings.broker_timeout_ms / 1000.0
-        self._listener = _client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)
-        self._prober = _client_like(client, socket_timeout=bound_s, socket_connect_timeout=bound_s)
+        self._listener = client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)
+        self._prober = client_like(client, socket_timeout=bound_s, socket_connect_timeout=bound_s)
         self._sweep = self._prober.register_script(failover.SWEEP_DEAD_LUA)
 
     def start(self) -> None:
@@ -509,13 +510,6 @@ class Gateway:
             if rep.is_ready and rep.model in counts:
                 counts[rep.model] += 1
         return counts
-
-
-def _client_like(client: redis.Redis, **overrides: float) -> redis.Redis:
-    """A client to the same server (or sentinels) with a pool of its own and other timeouts."""
-    from control.connect import client_like
-
-    return client_like(client, **overrides)
 
 
 def _broker_down(exc: BaseException | None) -> ApiError:

@@ -443,6 +443,24 @@ async def _replica_hang_timed(run: Run) -> Injection:
 def _wait_swept(run: Run, name: str, timeout_s: float = 3.0) -> float | None:
     """Milliseconds from now until the replica's held requests were re-queued (its held
     hash is gone), or None if that did not happen within `timeout_s`."""
+    return _poll_broker(run, lambda client: not client.exists(p.held_key(name)), timeout_s, 0.002)
+
+
+def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
+    """Wait for the replica to start a batch (its score in the model's launch set),
+    so the kill lands in the first half of the batch's run."""
+
+    def started_lately(client: redis.Redis) -> bool:
+        # Replicas stamp launches with the broker's clock: compare with it.
+        started_ms, (seconds, micros) = client.pipeline().zscore(p.launch_key(MODEL), name).time().execute()
+        return started_ms is not None and 0 <= seconds * 1000 + micros / 1000 - started_ms < run.batch_ms / 2
+
+    return _poll_broker(run, started_lately, timeout_s, 0.005) is not None
+
+
+def _poll_broker(run: Run, check: Callable[[redis.Redis], bool], timeout_s: float, every_s: float) -> float | None:
+    """Milliseconds until `check` held on the deployment's broker; None if it did not
+    within `timeout_s` (or the broker could not be asked)."""
     url = run.target.redis_url()
     if url is None:
         return None
@@ -450,36 +468,14 @@ def _wait_swept(run: Run, name: str, timeout_s: float = 3.0) -> float | None:
     start = time.monotonic()
     try:
         while time.monotonic() - start < timeout_s:
-            if not client.exists(p.held_key(name)):
+            if check(client):
                 return round((time.monotonic() - start) * 1000, 1)
-            time.sleep(0.002)
+            time.sleep(every_s)
     except redis.RedisError:
         return None
     finally:
         client.close()
     return None
-
-
-def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
-    """Wait for the replica to start a batch (its score in the model's launch set),
-    so the kill lands in the first half of the batch's run."""
-    url = run.target.redis_url()
-    if url is None:
-        return False
-    client = redis.Redis.from_url(url, socket_timeout=1)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            # Replicas may stamp launches with the broker's clock: compare with it.
-            started_ms, (seconds, micros) = client.pipeline().zscore(p.launch_key(MODEL), name).time().execute()
-            if started_ms is not None and 0 <= seconds * 1000 + micros / 1000 - started_ms < run.batch_ms / 2:
-                return True
-            time.sleep(0.005)
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-    return False
 
 
 async def _broker_stall(run: Run) -> Injection:

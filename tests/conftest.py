@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import psutil
 import pytest
 import requests
 
@@ -28,6 +29,18 @@ def until(check: Callable[[], object], timeout_s: float = 10.0, every_s: float =
             return True
         time.sleep(every_s)
     return False
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The processes among `pids` still running (a zombie is not)."""
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import requests
 
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, deployment, free_port
+from tests.conftest import FREE_KEY, MODEL, PAID_KEY, alive, deployment, free_port
 
 
 def test_sigterm_finishes_what_is_in_flight_and_leaves_nothing_running() -> None:
@@ -62,18 +62,7 @@ def _serve_then_stop(up: subprocess.Popen[str], port: int) -> None:
     stopping = time.monotonic()
     assert up.wait(60) == 0
     assert time.monotonic() - stopping < 15
-    assert _running(family) == []
-
-
-def _running(pids: list[int]) -> list[int]:
-    running = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                running.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return running
+    assert alive(family) == []
 
 
 def test_no_replica_then_no_broker_answer_503() -> None:

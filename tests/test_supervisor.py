@@ -29,7 +29,7 @@ from control import protocol as p
 from control.broker import EmbeddedBroker
 from control.settings import Settings
 from control.up import RESTART_MAX_S, Backoff, Plan, System
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, free_port
+from tests.conftest import FREE_KEY, MODEL, PAID_KEY, alive, free_port
 
 T = TypeVar("T")
 
@@ -124,17 +124,6 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return []
 
 
-def _alive(pids: list[int]) -> list[int]:
-    left = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
 def test_a_killed_replica_is_restarted_under_its_name_while_the_other_serves() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL) as up:
         assert up.posts(2) == [200, 200]  # one per replica: readiness is not warmth
@@ -176,7 +165,7 @@ def test_a_killed_gateway_is_restarted_and_its_orphaned_workers_go() -> None:
         workers = [w.pid for w in master.children()]
         assert workers
         master.send_signal(signal.SIGKILL)
-        poll(lambda: not _alive(workers), 10, "the dead gateway's workers gone")
+        poll(lambda: not alive(workers), 10, "the dead gateway's workers gone")
         poll(lambda: up.post() == 200, 15, "a 200 from the new gateway")
         assert "keybatch: gateway restarted" in up.log()
 
@@ -192,7 +181,7 @@ def test_sigkill_of_keybatch_up_leaves_nothing_running() -> None:
         up.proc.kill()
         up.proc.wait()
         pids = [c.pid for c in family]
-        poll(lambda: not _alive(pids), 10, f"every child of keybatch up gone: {_alive(pids)} left")
+        poll(lambda: not alive(pids), 10, f"every child of keybatch up gone: {alive(pids)} left")
 
 
 def test_fewer_workers_than_models_is_refused_at_once() -> None:
