@@ -338,7 +338,7 @@ class Gateway:
             waiter.attempt = extra.decode()
             self._register(waiter)
             return Verdict.ADMIT, 0
-        self._depth[job.model] = (paid, free, self.clock.now_ms())
+        self._depth[job.model] = (paid, free, now)
         verdict = Verdict.OVERLOADED if status == -1 else Verdict.ADMIT
         return verdict, admission.position(job.tier, paid, free)
 

@@ -234,9 +234,3 @@ def release_replica(client: redis.Redis, name: str, min_ms: float = 265.0) -> tu
     client.delete(p.lease_key(name))
     requeued, expired = client.register_script(SWEEP_ONE_LUA)(args=[name, min_ms])  # type: ignore[misc]
     return max(0, int(requeued)), int(expired)
-
-
-def sweep_dead(client: redis.Redis, min_ms: float) -> tuple[int, int, int]:
-    """Sweep every replica whose lease lapsed: (replicas swept, requeued, expired)."""
-    swept, requeued, expired = client.register_script(SWEEP_DEAD_LUA)(args=[min_ms])  # type: ignore[misc]
-    return int(swept), int(requeued), int(expired)
