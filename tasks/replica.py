@@ -26,7 +26,7 @@ from control import protocol as p
 from control.clock import BrokerClock, Clock
 from tasks.app import job_from_message
 from tasks.collector import Collector, CollectorConfig, Pending
-from tasks.engine import Engine, Output
+from tasks.engine import Engine, Output, run_batch
 
 log = logging.getLogger(__name__)
 
@@ -455,11 +455,11 @@ class Replica:
         """Run a batch; if the engine raises, find the request that makes it raise by
         halving, so that it fails alone and the rest of the batch is answered."""
         try:
-            return self.engine.run(jobs, control)
+            return run_batch(self.engine, jobs, control)
         except Exception as exc:
             if len(jobs) == 1:
                 log.warning("request %s failed in the engine: %r", jobs[0].id, exc)
-                return [Output(jobs[0].id, "", "error", 0, 0, error=f"the engine failed on this request: {exc!r}")]
+                return [Output(jobs[0].id, "", "error", 0, 0, f"the engine failed on this request: {exc!r}")]
             log.warning("a batch of %d failed in the engine (%r); running it in halves", len(jobs), exc)
             mid = len(jobs) // 2
             return self._run_isolating(jobs[:mid], control) + self._run_isolating(jobs[mid:], control)

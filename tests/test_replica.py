@@ -13,7 +13,7 @@ from control import protocol as p
 from control.broker import EmbeddedBroker
 from control.clock import BrokerClock
 from tasks.collector import CollectorConfig
-from tasks.engine import BatchControl, FixedLatencyEngine, Output
+from tasks.engine import FixedLatencyEngine, StepOutput
 from tasks.replica import Replica
 from tests.conftest import MODEL, until
 
@@ -23,13 +23,20 @@ class RaisingEngine(FixedLatencyEngine):
 
     def __init__(self) -> None:
         super().__init__(max_batch=8, batch_ms=20.0)
-        self.runs: list[int] = []
+        self.runs: list[int] = []  # the size of each batch at its first step
+        self._fresh = False
 
-    def run(self, jobs: list[p.Job], control: BatchControl) -> list[Output]:
-        self.runs.append(len(jobs))
-        if any("POISON" in job.prompt for job in jobs):
+    def add_request(self, job: p.Job) -> None:
+        self._fresh = self._fresh or not self.running
+        super().add_request(job)
+
+    def step(self) -> list[StepOutput]:
+        if self._fresh:
+            self.runs.append(len(self.running))
+            self._fresh = False
+        if any("POISON" in r.job.prompt for r in self.running.values()):
             raise RuntimeError("shape mismatch")
-        return super().run(jobs, control)
+        return super().step()
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The local code models: building them (tokenizer, training) and serving them (torch engine)."""
