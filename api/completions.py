@@ -196,6 +196,8 @@ def _error_for(item: object) -> tuple[int, ApiError]:
         return 409, ApiError(409, "a retry with the same request id took this request over", "retried")
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason != "expired":
         return 409, ApiError(409, f"the request was {item.reason}", item.reason)
+    if isinstance(item, p.Failed) and item.status is not None and 400 <= item.status < 500:
+        return item.status, ApiError(item.status, item.message, item.code or "engine_error")
     if isinstance(item, p.Failed) and item.per_request:
         return 422, ApiError(422, item.message, "engine_error")
     if isinstance(item, p.Failed):
@@ -228,7 +230,8 @@ def _completion(request_id: str, job: p.Job, res: p.Result, now: float) -> dict:
 
 
 def _stream(gw: Gateway, waiter: Waiter) -> Response:
-    """Server-sent events in OpenAI's chunk format (one text chunk until the hf engine streams)."""
+    """Server-sent events in OpenAI's chunk format: text as the model writes it (over
+    the gateway's one reply channel), then a last chunk with the finish reason."""
 
     def events() -> Iterator[str]:
         # A comment first: the headers (with the request's id, which is how an anonymous
@@ -238,7 +241,17 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
         except GeneratorExit:  # the client went before the first write: never waited for
             gw.abandon(waiter)
             raise
-        _wait(gw, waiter)
+        head = {"id": waiter.request_id, "object": "text_completion", "model": waiter.job.model}
+        sent = 0
+        watch = hangup_event(request.environ)
+        try:
+            for chunks in gw.stream(waiter, watch.event if watch is not None else None):
+                text, sent = _new_text(chunks, sent)
+                if text:
+                    yield _event(head, text, None)
+        finally:
+            if watch is not None:
+                watch.close()
         try:
             body = _answer(gw, waiter)
         except ApiError as err:
@@ -246,8 +259,8 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
             yield "data: [DONE]\n\n"
             return
         choice = body["choices"][0]
-        chunk = {**body, "choices": [{**choice, "finish_reason": None}]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+        if choice["text"][sent:]:
+            yield _event(body, choice["text"][sent:], None)
         done = {**body, "choices": [{**choice, "text": ""}]}
         yield f"data: {json.dumps(done)}\n\n"
         yield "data: [DONE]\n\n"
@@ -256,6 +269,29 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
     resp.headers["X-Request-Id"] = waiter.request_id
     resp.headers["Cache-Control"] = "no-cache"
     return resp
+
+
+def _new_text(chunks: list[p.Chunk], sent: int) -> tuple[str, int]:
+    """The part of the chunks past the `sent` characters already written (a request
+    re-run after a failover streams its start again)."""
+    parts = []
+    for chunk in chunks:
+        end = chunk.offset + len(chunk.text)
+        if chunk.offset <= sent < end:
+            parts.append(chunk.text[sent - chunk.offset :])
+            sent = end
+    return "".join(parts), sent
+
+
+def _event(head: dict, text: str, finish_reason: str | None) -> str:
+    chunk = {
+        "id": head["id"],
+        "object": "text_completion",
+        "created": head.get("created", int(time.time())),
+        "model": head["model"],
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    return f"data: {json.dumps(chunk)}\n\n"
 
 
 @bp.delete("/v1/completions/<request_id>")

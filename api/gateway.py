@@ -14,7 +14,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -147,6 +147,8 @@ class Waiter:
     attempt: str = ""
     event: threading.Event = field(default_factory=threading.Event)
     item: Item | None = None
+    news: threading.Event = field(default_factory=threading.Event)  # a chunk or the answer came
+    chunks: list[p.Chunk] = field(default_factory=list)  # streamed text not yet sent on
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -155,6 +157,18 @@ class Waiter:
         if self.item is None:
             self.item = item
             self.event.set()
+            self.news.set()
+
+    def add_chunk(self, chunk: p.Chunk) -> None:
+        if self.item is None and self.job.stream:
+            self.chunks.append(chunk)
+            self.news.set()
+
+    def take_chunks(self) -> list[p.Chunk]:
+        """The chunks that came since the last call (the caller's thread only clears `news`)."""
+        self.news.clear()
+        chunks, self.chunks = self.chunks, []
+        return chunks
 
 
 class BrokerHealth:
@@ -348,39 +362,68 @@ class Gateway:
         """Block until the answer, a cancel, the deadline (then give the request up) or,
         with `hangup` (a gevent event set when the client's connection closes), until the
         client hangs up (then cancel the request: it takes no batch slot, or it is wasted)."""
-        timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
         try:
-            if waiter.event.wait(timeout_s) if hangup is None else self._wait_or_hangup(waiter, timeout_s, hangup):
-                return
-            gone = waiter.item is None and hangup is not None and waiter.job.deadline_ms > self.clock.now_ms()
-            # At the deadline with the broker silent, the broker is why: 503, not 504.
-            reason = "gone" if gone else "unavailable" if self.health.silent_s > 0 else "expired"
-            waiter.resolve(
-                p.Cancelled(id=waiter.attempt, reason=reason)
-                if gone
-                else p.Dropped(id=waiter.attempt, reason=reason, replica="")
-            )
-            self._give_up(waiter, reason)
+            self._await(waiter, waiter.event, hangup)
         finally:
             self._forget(waiter)
             self.metrics.inflight.dec()
 
+    def stream(self, waiter: Waiter, hangup: object | None = None) -> Iterator[list[p.Chunk]]:
+        """Yield streamed text as it comes, until the answer (or a cancel, the deadline,
+        a hang-up) resolves the waiter. A client that goes while text is being sent
+        (the generator is closed) gives its request up."""
+        try:
+            while True:
+                chunks = waiter.take_chunks()
+                if chunks:
+                    try:
+                        yield chunks
+                    except GeneratorExit:
+                        self._gone(waiter)
+                        raise
+                elif waiter.item is not None or not self._await(waiter, waiter.news, hangup):
+                    return
+        finally:
+            self._forget(waiter)
+            self.metrics.inflight.dec()
+
+    def _await(self, waiter: Waiter, event: threading.Event, hangup: object | None) -> bool:
+        """Wait for `event`; True if it came. At the deadline or a hang-up, resolve the
+        waiter with why and give its request up (False)."""
+        timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
+        if event.wait(timeout_s) if hangup is None else self._wait_or_hangup(event, timeout_s, hangup):
+            return True
+        if waiter.item is not None:
+            return False
+        gone = hangup is not None and waiter.job.deadline_ms > self.clock.now_ms()
+        if gone:
+            self._gone(waiter)
+            return False
+        # At the deadline with the broker silent, the broker is why: 503, not 504.
+        reason = "unavailable" if self.health.silent_s > 0 else "expired"
+        waiter.resolve(p.Dropped(id=waiter.attempt, reason=reason, replica=""))
+        self._give_up(waiter, reason)
+        return False
+
+    def _gone(self, waiter: Waiter) -> None:
+        waiter.resolve(p.Cancelled(id=waiter.attempt, reason="gone"))
+        self._give_up(waiter, "gone")
+
     def abandon(self, waiter: Waiter) -> None:
         """The client went before its wait began: give the request up, as `wait` would."""
         try:
-            waiter.resolve(p.Cancelled(id=waiter.attempt, reason="gone"))
-            self._give_up(waiter, "gone")
+            self._gone(waiter)
         finally:
             self._forget(waiter)
             self.metrics.inflight.dec()
 
     @staticmethod
-    def _wait_or_hangup(waiter: Waiter, timeout_s: float, hangup: object) -> bool:
-        """True once answered; False at the deadline or when the client has gone."""
+    def _wait_or_hangup(event: threading.Event, timeout_s: float, hangup: object) -> bool:
+        """True once `event` is set; False at the deadline or when the client has gone."""
         import gevent  # `hangup` is a gevent event: only the gevent server watches for hang-ups
 
-        gevent.wait([waiter.event, hangup], timeout=timeout_s, count=1)
-        return waiter.event.is_set()
+        gevent.wait([event, hangup], timeout=timeout_s, count=1)
+        return event.is_set()
 
     def _give_up(self, waiter: Waiter, reason: str) -> None:
         """Drop the request where it waits (unless another connection joined it)."""
@@ -484,6 +527,12 @@ class Gateway:
 
     def _deliver(self, reply: p.Reply) -> None:
         for item in reply.items:
+            if isinstance(item, p.Chunk):
+                with self._lock:
+                    group = list(self.waiters.get(item.id, ()))
+                for waiter in group:
+                    waiter.add_chunk(item)
+                continue
             if isinstance(item, p.Dropped):
                 self.metrics.dropped.labels(item.reason).inc()
             elif isinstance(item, p.Cancelled):

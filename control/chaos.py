@@ -127,7 +127,8 @@ class Deployment:
         os.close(fd)
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "control", "up", "--workers", str(self.replicas_wanted)]
+        cmd = [sys.executable, "-m", "control", "up", "--backend", "fixed", "--policy", "static"]
+        cmd += ["--workers", str(self.replicas_wanted)]
         cmd += ["--models", MODEL, "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=logfile, text=True)

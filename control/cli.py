@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--workers", type=int, default=None, help="model replicas (default 2 per model served)")
-    up.add_argument("--backend", choices=["fixed", "hf"], default="fixed")
-    up.add_argument("--policy", choices=["static", "continuous"], default="static")
+    up.add_argument("--backend", choices=["fixed", "hf"], default="hf", help="hf: the local models; fixed: simulated")
+    up.add_argument("--policy", choices=["static", "continuous"], default="continuous")
     up.add_argument("--models", default="", help="comma-separated model names (default: all configured)")
     up.add_argument("--port", type=int, default=None)
 
@@ -44,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one model replica")
     worker.add_argument("--model", required=True)
-    worker.add_argument("--backend", choices=["fixed", "hf"], default="fixed")
-    worker.add_argument("--policy", choices=["static", "continuous"], default="static")
+    worker.add_argument("--backend", choices=["fixed", "hf"], default="hf")
+    worker.add_argument("--policy", choices=["static", "continuous"], default="continuous")
     worker.add_argument("--name", default=None, help="replica name (default MODEL-PID@HOST)")
     worker.add_argument("--loglevel", default="INFO")
 
@@ -76,10 +76,13 @@ def main(argv: list[str] | None = None) -> int:
 def _up(settings: Settings, args: argparse.Namespace) -> int:
     from control.up import Plan, PlanError, System
 
-    if args.backend != "fixed" or args.policy != "static":
-        print("only --backend fixed --policy static exist so far (the torch engine is still to come)", file=sys.stderr)
-        return 2
     models = [m for m in args.models.split(",") if m]
+    if args.backend == "hf":
+        from control.models import ensure_models
+
+        models = ensure_models(settings, models)
+        if not models:
+            return 2
     plan = Plan(workers=args.workers, backend=args.backend, policy=args.policy, models=models, port=settings.port)
     try:
         system = System(settings, plan)
@@ -99,16 +102,16 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
-    from tasks.engine import FixedLatencyEngine
+    from tasks.engine import make_engine
     from tasks.worker import run_worker
 
     if args.model not in settings.models:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
         return 2
-    if args.backend != "fixed" or args.policy != "static":
-        print("only --backend fixed --policy static exist so far (the torch engine is still to come)", file=sys.stderr)
+    if args.backend == "hf" and not (settings.model_path(args.model) / "config.json").exists():
+        print(f"no model folder at {settings.model_path(args.model)}: `keybatch model build`", file=sys.stderr)
         return 2
-    engine = FixedLatencyEngine(settings.max_batch, settings.batch_ms, settings.fixed_poison, settings.fixed_hang)
+    engine = make_engine(settings, args.model, args.backend, args.policy)
     name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"
     run_worker(settings, args.model, engine, name, loglevel=args.loglevel)
     return 0

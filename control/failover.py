@@ -227,6 +227,33 @@ return {delivered, wasted}
 """
 )
 
+# Streamed text goes to the gateway that owns the request now, only while the attempt
+# that produced it still owns it; the owner stays (the answer comes later, by DELIVER).
+STREAM_LUA = (
+    LUA_LIB
+    + """
+local out, order = {}, {}
+for i = 1, #ARGV, 3 do
+  local key, att, item = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local owner = redis.call('GET', 'kb:req:' .. key)
+  if owner then
+    local gateway, _, _, owner_att = owner_parts(owner)
+    if owner_att == att then
+      if not out[gateway] then
+        out[gateway] = {}
+        order[#order + 1] = gateway
+      end
+      table.insert(out[gateway], item)
+    end
+  end
+end
+for _, gateway in ipairs(order) do
+  notify(gateway, table.concat(out[gateway], ','))
+end
+return #order
+"""
+)
+
 
 def release_replica(client: redis.Redis, name: str, min_ms: float = 265.0) -> tuple[int, int]:
     """A replica is known dead (its supervisor saw it exit): drop its lease and re-queue

@@ -162,16 +162,30 @@ class Cancelled(BaseModel):
 
 class Failed(BaseModel):
     """The engine raised for this request (`per_request`: on this request alone, which
-    would fail again) or for its whole batch."""
+    would fail again) or for its whole batch. `code` and `status` name a request the
+    engine refused before it ran (a prompt too long for the model's context: 413)."""
 
     kind: Literal["failed"] = "failed"
     id: str
     message: str
     replica: str
     per_request: bool = False
+    code: str | None = None
+    status: int | None = None
+
+
+class Chunk(BaseModel):
+    """Streamed text of a request still running: `text` continues the completion at
+    character `offset` (a re-run after failover repeats what was sent; the gateway
+    sends only what is new)."""
+
+    kind: Literal["chunk"] = "chunk"
+    id: str
+    offset: int
+    text: str
 
 
 class Reply(BaseModel):
     """One message on a gateway's reply list: everything one batch owes that gateway."""
 
-    items: list[Annotated[Result | Dropped | Cancelled | Failed, Field(discriminator="kind")]]
+    items: list[Annotated[Result | Dropped | Cancelled | Failed | Chunk, Field(discriminator="kind")]]

@@ -129,10 +129,11 @@ class Collector:
             self.waiting = [p for p in self.waiting if self.can_finish(p, now_ms)]
         return late
 
-    def pop_batch(self) -> list[Pending]:
-        """The next batch: up to `max_batch` requests, paid ahead of free, with aging."""
+    def pop_batch(self, limit: int | None = None) -> list[Pending]:
+        """The next batch: up to `max_batch` (or `limit`) requests, paid ahead of free, with aging."""
         boost = self.config.paid_boost_ms
+        size = self.config.max_batch if limit is None else min(limit, self.config.max_batch)
         self.waiting.sort(key=lambda p: p.rank(boost))
-        batch = self.waiting[: self.config.max_batch]
-        self.waiting = self.waiting[self.config.max_batch :]
+        batch = self.waiting[:size]
+        self.waiting = self.waiting[size:]
         return batch

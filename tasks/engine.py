@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from control.protocol import Job
+from control.settings import Settings
 
 SIMULATED = "fixed (simulated accelerator)"
 
@@ -144,11 +145,12 @@ class BatchControl(Protocol):
         ...
 
     def emit(self, request_id: str, text: str) -> None:
-        """Send partial text of one request to its waiting client."""
+        """Stream new text of one request to its waiting client (sent at `end_step`)."""
         ...
 
-    def keep_alive(self) -> None:
-        """Called between steps: renews the replica's lease (an engine that hangs loses it)."""
+    def end_step(self) -> None:
+        """Called after each step: sends the step's streamed text and renews the replica's
+        lease (an engine that hangs loses it)."""
         ...
 
 
@@ -204,11 +206,11 @@ def run_batch(engine: Engine, jobs: list[Job], control: BatchControl) -> list[Ou
     try:
         while engine.has_unfinished():
             for out in engine.step():
-                if out.delta:
-                    control.emit(out.id, out.delta)
                 if out.is_finished:
                     outputs[out.id] = Output.of(out)
-            control.keep_alive()
+                elif out.delta:  # a finished request's text goes with its answer
+                    control.emit(out.id, out.delta)
+            control.end_step()
             for request_id in control.cancelled():
                 if request_id not in outputs:
                     engine.abort_request(request_id)
@@ -313,3 +315,27 @@ class FixedLatencyEngine:
 
 def monotonic_ms() -> float:
     return time.monotonic() * 1000.0
+
+
+def make_engine(settings: Settings, model: str, backend: str, policy: str) -> Engine:
+    """The engine a replica of `model` runs (torch is imported only for the hf backend)."""
+    if backend == "fixed":
+        return FixedLatencyEngine(
+            settings.max_batch,
+            settings.batch_ms,
+            settings.fixed_poison,
+            settings.fixed_hang,
+            continuous=policy == "continuous",
+        )
+    from tasks.lm.engine import HFEngine
+
+    return HFEngine(
+        settings.model_path(model),
+        max_batch=settings.max_batch,
+        policy=policy,
+        token_budget=settings.token_budget,
+        prefill_chunk=settings.prefill_chunk,
+        prefix_cache_tokens=settings.prefix_cache_tokens,
+        threads=settings.engine_threads,
+        name=f"hf:{model}",
+    )

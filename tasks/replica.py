@@ -26,7 +26,7 @@ from control import protocol as p
 from control.clock import BrokerClock, Clock
 from tasks.app import job_from_message
 from tasks.collector import Collector, CollectorConfig, Pending
-from tasks.engine import Engine, Output, run_batch
+from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +76,20 @@ class Stats:
 
 
 class _Control:
-    """BatchControl for one running batch."""
+    """BatchControl for one running static batch."""
 
     def __init__(self, replica: Replica, batch: list[Pending]) -> None:
         self.replica = replica
-        self.ids = [pending.id for pending in batch]
+        self.jobs = {pending.id: held(pending).job for pending in batch}
 
     def cancelled(self) -> set[str]:
-        return set(self.replica.cancelled(self.ids))
+        return set(self.replica.cancelled(self.jobs))
 
-    def emit(self, request_id: str, text: str) -> None:  # streaming comes with the hf engine
-        pass
+    def emit(self, request_id: str, text: str) -> None:
+        self.replica.stream_text(self.jobs[request_id], text)
 
-    def keep_alive(self) -> None:
+    def end_step(self) -> None:
+        self.replica.flush_streams()
         self.replica.renew_lease_if_due()
 
 
@@ -142,10 +143,15 @@ class Replica:
         self._claim = client.register_script(failover.CLAIM_LUA)
         self._record_held = client.register_script(failover.RECORD_LUA)
         self._deliver = client.register_script(failover.DELIVER_LUA)
+        self._stream = client.register_script(failover.STREAM_LUA)
+        self._sent: dict[str, int] = {}  # attempt -> characters streamed so far
+        self._chunks: list[object] = []  # STREAM_LUA arguments of the step's streamed text
+        self._joined: dict[str, tuple[Pending, float]] = {}  # continuous: running requests, when each joined
         self._cond = threading.Condition()
         self._stopping = False
         self._stopped = threading.Event()
-        self._loop = threading.Thread(target=self._run, name=f"batching-{name}", daemon=True)
+        loop = self._run_continuous if engine.continuous else self._run
+        self._loop = threading.Thread(target=loop, name=f"batching-{name}", daemon=True)
         self._beat = threading.Thread(target=self._heartbeat, name=f"heartbeat-{name}", daemon=True)
 
     # -- life cycle ----------------------------------------------------------
@@ -219,6 +225,8 @@ class Replica:
         if self._stopping:
             return False
         limit = self.collector.config.max_batch
+        if self.engine.continuous:  # enough to fill the free slots, and a few behind them
+            return len(self.collector) < self.engine.free_slots() + max(1, limit // 4)
         if not self.busy:
             return len(self.collector) < 2 * limit
         if len(self.collector) >= limit:
@@ -236,7 +244,7 @@ class Replica:
 
     def reopens_at_ms(self) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""
-        if not self.busy or self._stopping:
+        if not self.busy or self._stopping or self.engine.continuous:
             return None
         if len(self.collector) >= self.collector.config.max_batch:
             return self._ends_at_ms
@@ -465,23 +473,9 @@ class Replica:
             return self._run_isolating(jobs[:mid], control) + self._run_isolating(jobs[mid:], control)
 
     def _answer(self, jobs: list[p.Job], outputs: list[Output], start: float, end: float) -> None:
-        results = [
-            p.Failed(id=out.id, message=out.error, replica=self.name, per_request=True)
-            if out.error
-            else p.Result(
-                id=out.id,
-                text=out.text,
-                finish_reason=out.finish_reason,
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens,
-                replica=self.name,
-                backend=self.engine.name,
-                batch_size=len(jobs),
-                batch_start_ms=start,
-                batch_end_ms=end,
-            )
-            for out in outputs
-        ]
+        results = [self._result(job, out, len(jobs), start, end) for job, out in zip(jobs, outputs, strict=True)]
+        for job in jobs:
+            self._sent.pop(job.id, None)
         pipe = self.redis.pipeline(transaction=False)
         self._reply(pipe, results, jobs)
         self._mark_idle(pipe)
@@ -490,6 +484,29 @@ class Replica:
         self._peer_launches = self._others(pipe.execute()[-1])
         with self._cond:  # the phase of the next batch, now that this one is done
             self.collector.stagger_from(self._peer_launches, len(jobs), self.clock.now_ms())
+
+    def _result(self, job: p.Job, out: Output, batch_size: int, start: float, end: float) -> p.Result | p.Failed:
+        if out.error:
+            return p.Failed(
+                id=job.id,
+                message=out.error,
+                replica=self.name,
+                per_request=True,
+                code=out.code,
+                status=out.http_status,
+            )
+        return p.Result(
+            id=job.id,
+            text=out.text,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            replica=self.name,
+            backend=self.engine.name,
+            batch_size=batch_size,
+            batch_start_ms=start,
+            batch_end_ms=end,
+        )
 
     def _answer_failed(self, batch: list[Pending], message: str) -> None:
         jobs = [held(pending).job for pending in batch]
@@ -522,6 +539,187 @@ class Replica:
         for item, job in zip(items, jobs, strict=True):
             args += [job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway]
         self._deliver(args=args, client=pipe)
+
+    # -- streaming ------------------------------------------------------------------
+
+    def stream_text(self, job: p.Job, text: str) -> None:
+        """Queue new text of a streaming request; `flush_streams` sends a step's worth."""
+        if not job.stream or not text:
+            return
+        offset = self._sent.get(job.id, 0)
+        self._sent[job.id] = offset + len(text)
+        chunk = p.Chunk(id=job.id, offset=offset, text=text)
+        self._chunks += [job.key, job.id, chunk.model_dump_json()]
+
+    def flush_streams(self) -> None:
+        """One script call sends every chunk of the step to the gateways that own them."""
+        if not self._chunks:
+            return
+        args, self._chunks = self._chunks, []
+        try:
+            self._stream(args=args)
+        except redis.RedisError:
+            log.warning("could not stream %d chunks", len(args) // 3)  # the answer carries the whole text
+
+    # -- the continuous loop: schedule, step, deliver ----------------------------------
+
+    def _run_continuous(self) -> None:
+        """Requests join the engine between steps and leave when they finish."""
+        while self._wait_for_work():
+            try:
+                self.renew_lease_if_due()
+                self._admit()
+                if self.engine.has_unfinished():
+                    self._step()
+            except Exception:  # Redis away, a bad message: never let the loop die
+                log.exception("continuous loop error; %d requests running", len(self._joined))
+                self._fail_running()
+                self._stopped.wait(0.1)
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is a step to run, a request to admit or a lease to renew;
+        False once stopping with nothing left."""
+        with self._cond:
+            while True:
+                running = self.engine.has_unfinished()
+                can_join = len(self.collector) > 0 and self.engine.free_slots() > 0
+                if running or can_join:
+                    return True
+                if self._stopping and not self.collector:
+                    return False
+                renew_in = self._renew_at_ms - _monotonic_ms()
+                if renew_in <= 0:
+                    return True
+                self._cond.wait(renew_in / 1000.0)
+
+    def _admit(self) -> list[Pending]:
+        """Drop what was cancelled or expired (buffered or running), claim what fits the
+        free slots and add it to the engine."""
+        self.collector.config.batch_ms = self.engine.expected_batch_ms()  # learned, not assumed
+        with self._cond:
+            ids = self.collector.ids()
+            room = 0 if self._stopping else min(self.collector.num_free(), self.engine.free_slots())
+        running = list(self._joined)
+        reasons, late_paid = self._cancels_and_paid(ids + running, room)
+        now = self.clock.now_ms()
+        self._abort_running(reasons, now)
+        dropped: dict[str, list[Pending]] = defaultdict(list)
+        with self._cond:
+            for job, raw in late_paid:
+                pending = self._pending(job)
+                pending.payload.message = raw
+                self.collector.add(pending)
+            for pending in self.collector.remove(set(reasons)):
+                dropped[reasons[pending.id]].append(pending)
+            dropped["expired"].extend(self.collector.pop_expired(now))
+            batch = self.collector.pop_batch(limit=self.engine.free_slots())
+            if batch:
+                self.busy = True
+        if late_paid:
+            launched = {pending.id for pending in batch}
+            self._hold([job for job, _raw in late_paid if job.id not in launched])
+        batch = self._settle(batch, {reason: group for reason, group in dropped.items() if group})
+        return self._join(batch)
+
+    def _join(self, batch: list[Pending]) -> list[Pending]:
+        refused: list[tuple[Pending, p.Failed]] = []
+        now = self.clock.now_ms()
+        for pending in batch:
+            job = held(pending).job
+            try:
+                self.engine.add_request(job)
+            except RequestError as err:
+                failed = p.Failed(id=job.id, message=err.message, replica=self.name, per_request=True)
+                failed.code, failed.status = err.code, err.status
+                refused.append((pending, failed))
+                continue
+            self._joined[job.id] = (pending, now)
+        if refused:
+            pipe = self.redis.pipeline(transaction=False)
+            self._reply(pipe, [failed for _pd, failed in refused], [held(pd).job for pd, _f in refused])
+            pipe.execute()
+        if batch:
+            self.events.started([pending for pending in batch if pending.id in self._joined])
+        return batch
+
+    def _abort_running(self, reasons: dict[str, str], now_ms: float) -> None:
+        """A running request whose client went (or whose deadline passed) leaves at this
+        step: its slot is free for the next request."""
+        gone: dict[str, list[Pending]] = defaultdict(list)
+        for attempt, (pending, _joined) in list(self._joined.items()):
+            reason = reasons.get(attempt) or ("expired" if now_ms > pending.deadline_ms else None)
+            if reason is None:
+                continue
+            self.engine.abort_request(attempt)
+            del self._joined[attempt]
+            self._sent.pop(attempt, None)
+            gone[reason].append(pending)
+        if not gone:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        notices = [
+            p.Dropped(id=pd.id, reason=reason, replica=self.name)  # type: ignore[arg-type]
+            for reason, group in gone.items()
+            for pd in group
+        ]
+        self._reply(pipe, notices, [held(pd).job for group in gone.values() for pd in group])
+        pipe.execute()
+        for reason, group in gone.items():
+            self.stats.dropped[reason] += len(group)
+            self.events.revoked(group, reason)
+
+    def _step(self) -> None:
+        self._batch_started = _monotonic_ms()
+        num_running = len(self._joined)
+        outputs = self.engine.step()
+        finished: list[tuple[Pending, StepOutput]] = []
+        for out in outputs:
+            entry = self._joined.get(out.id)
+            if entry is None:
+                continue
+            if out.is_finished:
+                finished.append((entry[0], out))
+            else:
+                self.stream_text(held(entry[0]).job, out.delta)
+        self.flush_streams()
+        if finished:
+            self._answer_finished(finished, num_running)
+        if not self.engine.has_unfinished():
+            with self._cond:
+                self.busy = False
+            pipe = self.redis.pipeline(transaction=False)
+            self._mark_idle(pipe)
+            pipe.execute()
+        self.wake()
+
+    def _answer_finished(self, finished: list[tuple[Pending, StepOutput]], num_running: int) -> None:
+        end = self.clock.now_ms()
+        items: list[object] = []
+        jobs: list[p.Job] = []
+        for pending, out in finished:
+            _pd, start = self._joined.pop(out.id)
+            self._sent.pop(out.id, None)
+            job = held(pending).job
+            output = Output.of(out)
+            items.append(self._result(job, output, num_running, start, end))
+            jobs.append(job)
+        pipe = self.redis.pipeline(transaction=False)
+        self._reply(pipe, items, jobs)
+        self._lease_commands(pipe)
+        pipe.execute()
+        self.stats.num_batches += 1
+        self.stats.num_requests += len(jobs)
+        self.stats.last_batch_size = num_running
+        self.events.succeeded([pending for pending, _out in finished], (end - finished[0][0].arrived_ms) / 1000.0)
+
+    def _fail_running(self) -> None:
+        """The loop failed around a step: answer what runs (503, retry) and empty the engine."""
+        batch = [pending for pending, _start in self._joined.values()]
+        for attempt in list(self._joined):
+            self.engine.abort_request(attempt)
+        self._joined.clear()
+        self._sent.clear()
+        self._fail_quietly(batch)
 
     # -- cancels and the registry -------------------------------------------------
 

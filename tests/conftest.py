@@ -73,7 +73,9 @@ class Deployment:
 
 
 @contextmanager
-def deployment(workers: int = 2, **env: str) -> Iterator[Deployment]:
+def deployment(
+    workers: int = 2, backend: str = "fixed", policy: str = "static", model: str = MODEL, **env: str
+) -> Iterator[Deployment]:
     """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings."""
     saved = dict(os.environ)
     os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
@@ -81,7 +83,8 @@ def deployment(workers: int = 2, **env: str) -> Iterator[Deployment]:
     for key, value in env.items():
         os.environ[f"KEYBATCH_{key.upper()}"] = value
     try:
-        system = System(Settings(), Plan(workers=workers, models=[MODEL], port=free_port(), quiet=True))
+        plan = Plan(workers=workers, backend=backend, policy=policy, models=[model], port=free_port(), quiet=True)
+        system = System(Settings(), plan)
         system.start()
         try:
             d = Deployment(system, system.url)

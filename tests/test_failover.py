@@ -89,7 +89,8 @@ def test_a_replica_whose_clock_is_off_still_meets_deadlines(fleet: Deployment) -
     """Deadlines are read on the broker's clock, so a replica 400 ms ahead serves as usual."""
     env = {**os.environ, "KEYBATCH_REDIS_URL": fleet.system.redis_url, "KEYBATCH_CLOCK_SKEW_MS": "400"}
     env["KEYBATCH_MODELS"] = json.dumps({MODEL: MODEL})
-    cmd = [sys.executable, "-m", "control", "worker", "--model", MODEL, "--name", "skewed@test"]
+    cmd = [sys.executable, "-m", "control", "worker", "--backend", "fixed", "--policy", "static"]
+    cmd += ["--model", MODEL, "--name", "skewed@test"]
     skewed = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for worker in fleet.system.workers:  # the skewed replica alone serves

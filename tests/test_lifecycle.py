@@ -21,7 +21,20 @@ def test_sigterm_finishes_what_is_in_flight_and_leaves_nothing_running() -> None
     env = {**os.environ, "KEYBATCH_API_KEYS": json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})}
     env.pop("KEYBATCH_REDIS_URL", None)
     up = subprocess.Popen(
-        [sys.executable, "-m", "control", "up", "--workers", "2", "--models", MODEL, "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "control",
+            "up",
+            "--backend",
+            "fixed",
+            "--workers",
+            "2",
+            "--models",
+            MODEL,
+            "--port",
+            str(port),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,

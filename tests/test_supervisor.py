@@ -85,7 +85,7 @@ def keybatch_up(*args: str) -> Iterator[Up]:
         # stderr to a file, not a pipe: nobody reads a pipe while the test runs,
         # and a full one would block every child that logs.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "control", "up", *args, "--port", str(port)],
+            [sys.executable, "-m", "control", "up", "--backend", "fixed", *args, "--port", str(port)],
             stdout=subprocess.PIPE,
             stderr=err,
             env=env,
@@ -187,7 +187,18 @@ def test_sigkill_of_keybatch_up_leaves_nothing_running() -> None:
 def test_fewer_workers_than_models_is_refused_at_once() -> None:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "control", "up", "--workers", "1", "--models", "kb-small,kb-large"],
+        [
+            sys.executable,
+            "-m",
+            "control",
+            "up",
+            "--backend",
+            "fixed",
+            "--workers",
+            "1",
+            "--models",
+            "kb-small,kb-large",
+        ],
         capture_output=True,
         text=True,
         timeout=10,
