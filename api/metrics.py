@@ -77,6 +77,29 @@ class Metrics:
         self.exposition.register(_FleetCollector(fleet))
 
 
+def _engine_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
+    """Each engine counter a replica publishes, and the prefix cache's hit rate."""
+    families: dict[str, GaugeMetricFamily] = {}
+    hit_rate = GaugeMetricFamily(
+        "keybatch_prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache / prompt tokens looked up, since the replica started",
+        labels=["replica", "model"],
+    )
+    for rep in fleet.replicas:
+        labels = [rep.name, rep.model]
+        for key, value in sorted(rep.engine.items()):
+            if key not in families:
+                families[key] = GaugeMetricFamily(
+                    f"keybatch_engine_{key}", f"The engine's {key.replace('_', ' ')}", labels=["replica", "model"]
+                )
+            families[key].add_metric(labels, value)
+        queried = rep.engine.get("prefix_query_tokens", 0.0)
+        if queried:
+            hit_rate.add_metric(labels, rep.engine.get("prefix_hit_tokens", 0.0) / queried)
+    yield from families.values()
+    yield hit_rate
+
+
 class _FleetCollector(Collector):
     """Replica figures from the registry the gateway already keeps a copy of."""
 
@@ -107,6 +130,7 @@ class _FleetCollector(Collector):
             buffered.add_metric(labels, rep.buffered)
             for reason, n in rep.dropped.items():
                 dropped.add_metric([*labels, reason], n)
+        yield from _engine_families(self.fleet)
         wasted = CounterMetricFamily(
             "keybatch_wasted_results",
             "Results run for a request already answered (a re-queued copy) or whose client had gone",

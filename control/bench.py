@@ -139,3 +139,147 @@ def _curve(url: str, model: str, capacity: float, s: Settings, args: argparse.Na
 
 
 SCENARIOS = {"low": _low, "load90": _load90, "overload": _overload, "curve": _curve}
+
+
+# -- static against continuous batching on the real model -----------------------------
+
+
+def run_policies(settings: Settings, args: argparse.Namespace) -> int:
+    """Sustainable rate (p99 <= the target, >= 99% answered 200) of each policy on the same
+    open-loop workload, then both at one common rate; streaming's time to first token;
+    the prefix cache on a workload whose requests share file headers."""
+    from control import workloads
+
+    bodies = workloads.mixed(args.requests, seed=args.seed)
+    results: dict[str, object] = {"model": args.model, "workers": args.workers, "p99_target_ms": args.p99_ms}
+    policies = [p for p in args.policies.split(",") if p]
+    for policy in policies:
+        with _hf_deployment(args.workers, policy, args.model) as url:
+            results[policy] = _ladder(url, args, bodies, f"{policy}")
+    common = args.common_rate or min(results[p]["sustainable_rps"] or args.start_rate for p in policies)  # type: ignore[index]
+    results["common_rps"] = common
+    for policy in policies:
+        with _hf_deployment(args.workers, policy, args.model) as url:
+            summary = _run(url, args, bodies, common, f"{policy} at the common rate {common:.2f} req/s")
+            results[f"{policy}_at_common"] = summary["all"]
+            if policy == "continuous":
+                streamed = _run(url, args, bodies, common, f"{policy}, streaming, {common:.2f} req/s", stream=True)
+                results["continuous_stream_at_common"] = streamed["all"]
+    if args.prefix:
+        results["prefix"] = _prefix(args)
+    _print_policies(results, policies)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return 0
+
+
+@contextmanager
+def _hf_deployment(workers: int, policy: str, model: str, **env: str) -> Iterator[str]:
+    saved = dict(os.environ)
+    os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
+    os.environ.update({f"KEYBATCH_{k.upper()}": v for k, v in env.items()})
+    try:
+        settings = Settings()
+        plan = Plan(workers=workers, backend="hf", policy=policy, models=[model], port=_free_port(), quiet=True)
+        system = System(settings, plan)
+        system.start()
+        try:
+            spec = LoadSpec(system.url, 2.0, 3.0, model, free_key=FREE_KEY, deadline_ms=10_000)
+            generate(spec, show_progress=False)  # first steps run slow (allocation, first kernels)
+            yield system.url
+        finally:
+            system.stop()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(url: str, args: argparse.Namespace, bodies: list[dict], rps: float, title: str, stream: bool = False) -> dict:
+    spec = LoadSpec(
+        url,
+        rps,
+        args.duration,
+        args.model,
+        free_key=FREE_KEY,
+        deadline_ms=args.deadline_ms,
+        bodies=bodies,
+        stream=stream,
+        seed=args.seed,
+    )
+    summary = summarize(generate(spec))
+    print_summary(title, summary)
+    return summary
+
+
+def _ladder(url: str, args: argparse.Namespace, bodies: list[dict], policy: str) -> dict:
+    """Rates growing by `--step` from `--start-rate` until a rate misses the target twice in a row."""
+    points, best, misses, rps = [], None, 0, args.start_rate
+    while misses < 2 and rps <= args.max_rate:
+        a = _run(url, args, bodies, rps, f"{policy}: {rps:.2f} req/s for {args.duration:.0f} s")["all"]
+        ok = a["ok_share"] >= 0.99 and a["p99_ms"] <= args.p99_ms
+        points.append({"rps": rps, "ok": ok, **a})
+        best, misses = (rps, 0) if ok else (best, misses + 1)
+        rps *= args.step
+    return {"sustainable_rps": best, "points": points}
+
+
+def _prefix(args: argparse.Namespace) -> dict:
+    """Goodput and hit rate with the prefix cache and without, offered more than either serves."""
+    from control import workloads
+
+    bodies = workloads.shared_prefix(args.requests, seed=args.seed)
+    out = {}
+    for label, tokens in (("cache", None), ("no_cache", "0")):
+        env = {} if tokens is None else {"prefix_cache_tokens": tokens}
+        with _hf_deployment(args.workers, "continuous", args.model, **env) as url:
+            spec = LoadSpec(
+                url, args.prefix_rate, args.duration, args.model, free_key=FREE_KEY, deadline_ms=args.deadline_ms
+            )
+            spec.bodies = bodies
+            records = generate(spec)
+            summary = summarize(records)
+            print_summary(f"shared file headers, prefix cache {label}: {args.prefix_rate:.1f} req/s offered", summary)
+            ok = sum(r.status == 200 for r in records)
+            out[label] = {
+                **summary["all"],
+                "goodput_rps": ok / args.duration,
+                "hit_rate": _hit_rate(url),
+            }
+    return out
+
+
+def _hit_rate(url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    rates = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("keybatch_prefix_cache_hit_rate{")
+    ]
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+def _print_policies(results: dict, policies: list[str]) -> None:
+    print("\n== static against continuous")
+    for policy in policies:
+        print(
+            f"  {policy:10} sustainable rate at p99 <= {results['p99_target_ms']:.0f} ms: "
+            f"{results[policy]['sustainable_rps']} req/s"
+        )
+    for policy in policies:
+        a = results[f"{policy}_at_common"]
+        print(
+            f"  {policy:10} at {results['common_rps']:.2f} req/s: p50 {a['p50_ms']:.0f} ms, "
+            f"p99 {a['p99_ms']:.0f} ms, 200: {a['ok_share']:.1%}"
+        )
+    if "continuous_stream_at_common" in results:
+        s = results["continuous_stream_at_common"]
+        print(f"  streaming time to first token: p50 {s['ttft_p50_ms']:.0f} ms, p99 {s['ttft_p99_ms']:.0f} ms")
+    if "prefix" in results:
+        for label, r in results["prefix"].items():
+            print(
+                f"  prefix {label:8}: goodput {r['goodput_rps']:.2f} req/s, hit rate {r['hit_rate']:.1%}, "
+                f"p50 {r['p50_ms']:.0f} ms"
+            )

@@ -22,6 +22,25 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write all figures here")
 
 
+def add_policies_args(p: argparse.ArgumentParser) -> None:
+    p.description = "Static against continuous batching on a real model, on the same open-loop workload."
+    p.add_argument("--model", default="kb-small")
+    p.add_argument("--workers", type=int, default=1, help="replicas (each uses KEYBATCH_ENGINE_THREADS threads)")
+    p.add_argument("--policies", default="static,continuous")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
+    p.add_argument("--start-rate", type=float, default=1.0)
+    p.add_argument("--step", type=float, default=1.5, help="each rate of the ladder is this times the last")
+    p.add_argument("--max-rate", type=float, default=200.0)
+    p.add_argument("--common-rate", type=float, default=None, help="default: the lower sustainable rate")
+    p.add_argument("--p99-ms", type=float, default=1000.0, help="the latency target a sustainable rate meets")
+    p.add_argument("--deadline-ms", type=float, default=5000.0, help="the clients' X-Deadline-Ms")
+    p.add_argument("--requests", type=int, default=400, help="distinct request bodies, sent in turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix", action="store_true", help="also the shared-header workload, cache on and off")
+    p.add_argument("--prefix-rate", type=float, default=20.0, help="offered rate of the prefix runs")
+    p.add_argument("--json", default=None, help="write all figures here")
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--rps", type=float, required=True)

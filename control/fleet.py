@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -18,6 +18,15 @@ from control import protocol as p
 from control.admission import Capacity
 
 log = logging.getLogger(__name__)
+
+ENGINE_PREFIX = "engine_"  # replica hash fields that carry the engine's `stats()`
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class ReplicaInfo:
     has_lease: bool = True
     why_not_ready: str = ""
     clock_offset_ms: float = 0.0
+    engine: dict[str, float] = field(default_factory=dict)  # the engine's own counters (hf: steps, prefix cache)
 
     @property
     def is_ready(self) -> bool:
@@ -61,6 +71,7 @@ class ReplicaInfo:
             has_lease=has_lease,
             why_not_ready=f.get("why_not_ready", ""),
             clock_offset_ms=float(f.get("clock_offset_ms", 0.0)),
+            engine={k.removeprefix(ENGINE_PREFIX): _number(v) for k, v in f.items() if k.startswith(ENGINE_PREFIX)},
         )
 
 

@@ -24,12 +24,13 @@ import httptools
 
 
 class Answer:
-    __slots__ = ("status", "body", "done_s")
+    __slots__ = ("status", "body", "done_s", "first_data_s")
 
-    def __init__(self, status: int, body: bytes, done_s: float) -> None:
+    def __init__(self, status: int, body: bytes, done_s: float, first_data_s: float | None = None) -> None:
         self.status = status
         self.body = body
         self.done_s = done_s  # time.perf_counter() when the last byte was parsed
+        self.first_data_s = first_data_s  # when the first server-sent event with data came (streams)
 
 
 class _Connection(asyncio.Protocol):
@@ -39,6 +40,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[Answer] | None = None
         self.chunks: list[bytes] = []
+        self.first_data_s: float | None = None
         self.closed = False
 
     # asyncio.Protocol
@@ -59,11 +61,13 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_body(self, body: bytes) -> None:
+        if self.first_data_s is None and b"data: " in body:
+            self.first_data_s = time.perf_counter()
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
-        answer = Answer(self.parser.get_status_code(), b"".join(self.chunks), time.perf_counter())
-        self.chunks = []
+        answer = Answer(self.parser.get_status_code(), b"".join(self.chunks), time.perf_counter(), self.first_data_s)
+        self.chunks, self.first_data_s = [], None
         waiter, self.waiter = self.waiter, None
         if not self.parser.should_keep_alive():
             self.close()

@@ -40,6 +40,8 @@ class Record:
     answer_id: str = ""  # the id of the completion that came back (200 only)
     answered_s: float = 0.0  # seconds since the run started: answer parsed, error or hang-up
     hung_up: bool = False  # the client closed its connection on purpose (LoadSpec.hangup_share)
+    ttft_ms: float = 0.0  # streams: time to the first event with text
+    completion_tokens: int = 0
 
     @property
     def overhead_ms(self) -> float:
@@ -81,6 +83,8 @@ class LoadSpec:
     spike_from_s: float = 0.0
     spike_to_s: float = 0.0
     retries: int = 0  # resend after a broken connection, same X-Request-Id, within the budget (as an IDE does)
+    bodies: list[dict] | None = None  # request bodies to send in turn (prompt, max_tokens, ...); default: short ones
+    stream: bool = False  # ask for server-sent events and record the time to the first token
 
 
 _PROMPTS = [
@@ -102,7 +106,12 @@ async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: s
     request_id = f"{spec.id_prefix}-{i}" if spec.id_prefix else ""
     if request_id:
         headers["X-Request-Id"] = request_id
-    body = {"model": spec.model, "prompt": _PROMPTS[i % len(_PROMPTS)] + f"# {i}\n", "max_tokens": spec.max_tokens}
+    if spec.bodies:
+        body = {"model": spec.model, **spec.bodies[i % len(spec.bodies)]}
+    else:
+        body = {"model": spec.model, "prompt": _PROMPTS[i % len(_PROMPTS)] + f"# {i}\n", "max_tokens": spec.max_tokens}
+    if spec.stream:
+        body["stream"] = True
     timeout_s = spec.timeout_s or (spec.deadline_ms or 60_000) / 1000 + 30
     start = time.perf_counter()
     retries = spec.retries
@@ -130,13 +139,32 @@ async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: s
     rec = Record(
         sent_s, tier, answer.status, (answer.done_s - start) * 1000, id=request_id, answered_s=answer.done_s - t0
     )
-    if answer.status == 200:
+    if answer.status == 200 and spec.stream:
+        completion = _last_event(answer.body)
+        if answer.first_data_s is not None:
+            rec.ttft_ms = (answer.first_data_s - start) * 1000
+        if completion is None or "keybatch" not in completion:
+            rec.status, rec.error = 0, "stream ended without a completion"
+            return rec
+    elif answer.status == 200:
         completion = orjson.loads(answer.body)
+    if answer.status == 200:
         kb = completion["keybatch"]
+        rec.completion_tokens = completion.get("usage", {}).get("completion_tokens", 0)
         rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
         rec.server_ms = kb["total_ms"]
         rec.answer_id = completion.get("id", "")
     return rec
+
+
+def _last_event(body: bytes) -> dict | None:
+    """The last data event before [DONE] of a stream (it carries usage and timings)."""
+    events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+    for data in reversed(events):
+        if data != b"[DONE]":
+            parsed = orjson.loads(data)
+            return parsed if isinstance(parsed, dict) else None
+    return None
 
 
 async def _hang_up(post: Coroutine[Any, Any, Answer], after_s: float) -> Answer | None:
@@ -232,6 +260,9 @@ def summarize(records: list[Record]) -> dict[str, dict[str, float]]:
             "gateway_p50_ms": percentile([r.gateway_ms for r in ok], 50),
             "gateway_p99_ms": percentile([r.gateway_ms for r in ok], 99),
             "mean_batch": sum(r.batch_size for r in ok) / len(ok) if ok else float("nan"),
+            "ttft_p50_ms": percentile([r.ttft_ms for r in ok if r.ttft_ms], 50),
+            "ttft_p99_ms": percentile([r.ttft_ms for r in ok if r.ttft_ms], 99),
+            "tokens_per_s": sum(r.completion_tokens for r in ok) / max(1e-9, max(r.answered_s for r in rs)),
         }
     return out
 

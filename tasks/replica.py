@@ -24,6 +24,7 @@ import redis
 from control import failover
 from control import protocol as p
 from control.clock import BrokerClock, Clock
+from control.fleet import ENGINE_PREFIX
 from tasks.app import job_from_message
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
@@ -785,6 +786,12 @@ class Replica:
         finally:
             os._exit(3)
 
+    def _engine_fields(self) -> dict[str, float]:
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return {}
+        return {f"{ENGINE_PREFIX}{k}": round(v, 3) for k, v in _numeric(stats()).items()}
+
     def _publish_state(self) -> None:
         with self._cond:
             buffered = len(self.collector)
@@ -802,6 +809,7 @@ class Replica:
             "why_not_ready": self.why_not_ready,
             "clock_offset_ms": round(getattr(self.clock, "offset_ms", 0.0), 1),
             **self.stats.as_fields(),
+            **self._engine_fields(),
         }
         key = p.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)
@@ -811,6 +819,10 @@ class Replica:
         if not self.busy and self.state == "ready":
             self._mark_idle(pipe, refresh_only=self._loop.is_alive())
         pipe.execute()
+
+
+def _numeric(stats: dict[str, object]) -> dict[str, float]:
+    return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def held(pending: Pending) -> Held:
