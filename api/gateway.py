@@ -29,7 +29,7 @@ from control.clock import BrokerClock, Clock
 from control.connect import client_like
 from control.fleet import FleetView
 from control.settings import Settings
-from tasks.app import TaskMessages
+from tasks.messages import TaskMessages
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from control import failover
 from control import protocol as p
 from control.clock import BrokerClock, Clock
 from control.fleet import ENGINE_PREFIX
-from tasks.app import job_from_message
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
+from tasks.messages import job_from_message
 
 log = logging.getLogger(__name__)
 

@@ -122,7 +122,7 @@ class ReplicaStep(bootsteps.StartStopStep):
                 margin_ms=s.deadline_margin_ms,
             )
             from control import connect
-            from tasks.app import TaskMessages
+            from tasks.messages import TaskMessages
 
             client = connect.client(s.state_url, socket_timeout=2, socket_connect_timeout=2)
             self.replica = Replica(
@@ -241,6 +241,7 @@ def run_worker(settings: Settings, model: str, engine: Engine, name: str, loglev
     from tasks.app import make_celery
 
     app = make_celery(settings)
+    app.task(name=p.TASK_NAME, base=BatchedTask, bind=True)(_never_called)
     app.keybatch_spec = ReplicaSpec(model, settings, engine)
     app.steps["consumer"].add(ReplicaStep)
     argv = [
@@ -261,6 +262,10 @@ def run_worker(settings: Settings, model: str, engine: Engine, name: str, loglev
     if settings.task_events:
         argv.append("--task-events")
     app.worker_main(argv)
+
+
+def _never_called(self: object, job: dict) -> None:
+    raise RuntimeError("keybatch.complete runs through the batching strategy, not the pool")
 
 
 __all__ = ["BatchedTask", "ReplicaSpec", "ReplicaStep", "batching_strategy", "held", "run_worker"]
