@@ -26,7 +26,7 @@ _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 def gateway() -> Gateway:
-    return current_app.extensions["keybatch"]  # type: ignore[no-any-return]
+    return current_app.extensions["keybatch"]
 
 
 def _header_id(name: str) -> str | None:

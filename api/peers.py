@@ -69,7 +69,7 @@ def _peers(gw: Gateway) -> Peers:
             peers = current_app.extensions.get(_EXTENSION)
             if peers is None:
                 peers = current_app.extensions[_EXTENSION] = Peers(gw.settings, gw.metrics.registry)
-    return peers  # type: ignore[no-any-return]
+    return peers
 
 
 class Peer:

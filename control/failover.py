@@ -259,5 +259,5 @@ def release_replica(client: redis.Redis, name: str, min_ms: float = 265.0) -> tu
     """A replica is known dead (its supervisor saw it exit): drop its lease and re-queue
     what it held now, rather than when the lease would have lapsed. (requeued, expired)"""
     client.delete(p.lease_key(name))
-    requeued, expired = client.register_script(SWEEP_ONE_LUA)(args=[name, min_ms])  # type: ignore[misc]
+    requeued, expired = client.register_script(SWEEP_ONE_LUA)(args=[name, min_ms])
     return max(0, int(requeued)), int(expired)

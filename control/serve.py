@@ -54,7 +54,7 @@ def handler_class(limits: RequestLimits) -> type:
     its completion leaves nothing unread on the socket (api/disconnect.py).
     """
     import gevent
-    from gevent.pywsgi import _InvalidClientInput  # type: ignore[attr-defined]
+    from gevent.pywsgi import _InvalidClientInput
     from gunicorn.workers.ggevent import PyWSGIHandler
 
     timed_out = _error_response("408 Request Timeout", "request_timeout", "the request did not arrive in time")
@@ -62,7 +62,7 @@ def handler_class(limits: RequestLimits) -> type:
         "413 Content Too Large", "request_too_large", f"the request body exceeds {limits.max_body_bytes} bytes"
     )
 
-    class Handler(PyWSGIHandler):  # type: ignore[misc]
+    class Handler(PyWSGIHandler):
         idle: gevent.Timeout | None = None  # keep-alive: waiting for a request's first byte
         deadline: gevent.Timeout | None = None  # the request's header block's, then its body's
         buffered_body = -1  # bytes of the body in memory with its header block (-1: unknown)
@@ -175,7 +175,7 @@ def _worker_class(settings: Settings) -> type:
 
     handler = handler_class(RequestLimits.of(settings))
 
-    class Worker(GeventPyWSGIWorker):  # type: ignore[misc]
+    class Worker(GeventPyWSGIWorker):
         """gunicorn's process management; gevent's own WSGI server for the requests.
 
         pywsgi writes status, headers and body in one send and parses a request
@@ -202,7 +202,7 @@ def read_headers(fp: Any) -> Any:
     which pywsgi answers with 400; obsolete line folding is joined with a space
     (RFC 9112 5.2). docs/decisions/0006.
     """
-    from gevent.pywsgi import OldMessage  # type: ignore[attr-defined]
+    from gevent.pywsgi import OldMessage
 
     message = OldMessage()
     fields = message._headers  # email.message.Message keeps (name, value) pairs here
@@ -239,7 +239,7 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.1: a field na
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class GatewayServer(BaseApplication):  # type: ignore[misc]
+class GatewayServer(BaseApplication):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         super().__init__()
@@ -306,7 +306,7 @@ def _unpatched_pool_checks() -> None:
     original = types.ModuleType("select")
     original.__dict__.update(vars(select))
     original.poll = monkey.get_original("select", "poll")  # type: ignore[attr-defined]
-    hiredis.select = original  # type: ignore[attr-defined]
+    hiredis.select = original
 
 
 def _forget_worker_metrics(_server: Any, worker: Any) -> None:

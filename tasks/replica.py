@@ -405,7 +405,7 @@ class Replica:
         for tier, ids in by_tier.items():
             pipe.zrem(p.waiting_key(self.model, tier), *ids)  # type: ignore[arg-type]
         notices = [
-            p.Dropped(id=pending.id, reason=reason, replica=self.name)  # type: ignore[arg-type]
+            p.Dropped(id=pending.id, reason=reason, replica=self.name)
             for reason, group in dropped.items()
             for pending in group
         ]
@@ -659,9 +659,7 @@ class Replica:
             return
         pipe = self.redis.pipeline(transaction=False)
         notices = [
-            p.Dropped(id=pd.id, reason=reason, replica=self.name)  # type: ignore[arg-type]
-            for reason, group in gone.items()
-            for pd in group
+            p.Dropped(id=pd.id, reason=reason, replica=self.name) for reason, group in gone.items() for pd in group
         ]
         self._reply(pipe, notices, [held(pd).job for group in gone.values() for pd in group])
         pipe.execute()
@@ -826,7 +824,7 @@ def _numeric(stats: dict[str, object]) -> dict[str, float]:
 
 
 def held(pending: Pending) -> Held:
-    return pending.payload  # type: ignore[no-any-return]
+    return pending.payload
 
 
 def _monotonic_ms() -> float:

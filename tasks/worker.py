@@ -37,7 +37,7 @@ class ReplicaSpec:
     engine: Engine
 
 
-class BatchedTask(Task):  # type: ignore[misc]
+class BatchedTask(Task):
     Strategy = "tasks.worker:batching_strategy"
     ignore_result = True
 
