@@ -17,9 +17,10 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from control import failover
 from control import protocol as p
@@ -146,7 +147,7 @@ class Replica:
         self._deliver = client.register_script(failover.DELIVER_LUA)
         self._stream = client.register_script(failover.STREAM_LUA)
         self._sent: dict[str, int] = {}  # attempt -> characters streamed so far
-        self._chunks: list[object] = []  # STREAM_LUA arguments of the step's streamed text
+        self._chunks: list[EncodableT] = []  # STREAM_LUA arguments of the step's streamed text
         self._joined: dict[str, tuple[Pending, float]] = {}  # continuous: running requests, when each joined
         self._cond = threading.Condition()
         self._stopping = False
@@ -205,8 +206,10 @@ class Replica:
         self._recorder.join(timeout_s)
         try:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(p.replica_key(self.name)).srem(p.REPLICAS_KEY, self.name)
-            pipe.delete(p.lease_key(self.name), p.held_key(self.name)).srem(p.HOLDERS_KEY, self.name)
+            pipe.delete(p.replica_key(self.name))
+            pipe.srem(p.REPLICAS_KEY, self.name)
+            pipe.delete(p.lease_key(self.name), p.held_key(self.name))
+            pipe.srem(p.HOLDERS_KEY, self.name)
             pipe.zrem(p.idle_key(self.model), self.name)
             pipe.zrem(p.launch_key(self.model), self.name)
             pipe.execute()
@@ -283,7 +286,7 @@ class Replica:
             self._stopped.wait(RECORD_MS / 1000.0)
             with self._arrivals:
                 jobs, self._unrecorded = self._unrecorded, []
-            args: list[object] = [self.name]
+            args: list[EncodableT] = [self.name]
             for job in jobs:
                 args += [job.id, job.key, self._held_record(job)]
             try:  # only those still in flight: one answered meanwhile must not come back
@@ -396,7 +399,9 @@ class Replica:
         if not leaving:
             return batch
         pipe = self.redis.pipeline(transaction=False)
-        late = {pd.id: self._held_record(held(pd).job, held(pd).message) for pd in batch if held(pd).message}
+        late: dict[FieldT, EncodableT] = {
+            pd.id: self._held_record(held(pd).job, held(pd).message) for pd in batch if held(pd).message
+        }
         if late:  # paid requests taken straight from the queue at this launch
             pipe.hset(p.held_key(self.name), mapping=late)
         by_tier: dict[str, list[str]] = defaultdict(list)
@@ -536,7 +541,7 @@ class Replica:
         its request now, once (control/failover.py, DELIVER_LUA)."""
         if not jobs:
             return
-        args: list[object] = [self.name]
+        args: list[EncodableT] = [self.name]
         for item, job in zip(items, jobs, strict=True):
             args += [job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway]
         self._deliver(args=args, client=pipe)
@@ -745,7 +750,8 @@ class Replica:
                 log.warning("dropping a malformed paid message")
         if jobs:  # rare: late paid requests may have been cancelled while queued
             late = [job.id for job, _raw in jobs]
-            values = self.redis.mget([p.cancel_key(i) for i in late])
+            # The client does not decode replies: the values are bytes.
+            values = cast("list[bytes | None]", self.redis.mget([p.cancel_key(i) for i in late]))
             reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
         return reasons, jobs
 
@@ -793,7 +799,7 @@ class Replica:
     def _publish_state(self) -> None:
         with self._cond:
             buffered = len(self.collector)
-        fields = {
+        fields: dict[str, EncodableT] = {
             "model": self.model,
             "state": self.state,
             "backend": self.engine.name,
@@ -811,7 +817,8 @@ class Replica:
         }
         key = p.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
+        # redis-py types the mapping's keys invariantly as FieldT, which refuses a dict[str, ...].
+        pipe.hset(key, mapping=cast("dict[FieldT, EncodableT]", fields))
         pipe.pexpire(key, int(self.ttl_s * 1000))
         pipe.sadd(p.REPLICAS_KEY, self.name)
         if not self.busy and self.state == "ready":
