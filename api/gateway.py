@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis
 from celery import Celery
@@ -111,14 +112,14 @@ class DirectScript:
         self.script = client.register_script(source)
         self.pool = client.connection_pool
 
-    def __call__(self, keys: list[str], args: list[object]) -> object:
+    def __call__(self, keys: list[str], args: list[object]) -> Any:
         try:
             return self._call(keys, args)
         except redis.exceptions.NoScriptError:
             self.script.sha = self.script.registered_client.script_load(self.script.script)
             return self._call(keys, args)
 
-    def _call(self, keys: list[str], args: list[object]) -> object:
+    def _call(self, keys: list[str], args: list[object]) -> Any:
         command = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
         conn = self.pool.get_connection()
         try:
@@ -339,7 +340,7 @@ class Gateway:
         now = self.clock.now_ms()
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key]
         try:
-            status, paid, free, extra = self._admit(keys, args)  # type: ignore[misc]
+            status, paid, free, extra = self._admit(keys, args)
         except redis.RedisError as exc:
             self.health.failed(exc)
             raise _broker_down(exc) from exc
@@ -500,7 +501,7 @@ class Gateway:
     def _listen(self) -> None:
         key = p.reply_key(self.id)
         client = self._listener
-        backlog: list[bytes] = []
+        backlog: list[bytes | str] = []
         while True:
             try:
                 if not backlog:  # wait for one message; take what queued behind it after delivering it
@@ -521,7 +522,8 @@ class Gateway:
                 except Exception:  # one bad message must not stop the listener
                     log.exception("could not deliver a reply message")
             try:
-                backlog = client.lpop(key, 256) or []
+                # With a count LPOP answers a list (or nil); redis-py's type does not tell the forms apart.
+                backlog = cast("list[bytes | str] | None", client.lpop(key, 256)) or []
             except redis.RedisError:
                 backlog = []
 

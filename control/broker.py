@@ -72,7 +72,7 @@ class EmbeddedBroker:
         return self.url
 
     def _wait_ready(self, timeout_s: float) -> None:
-        assert self.process is not None
+        assert self.process is not None and self.port is not None
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:

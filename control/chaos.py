@@ -453,7 +453,10 @@ def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
 
     def started_lately(client: redis.Redis) -> bool:
         # Replicas stamp launches with the broker's clock: compare with it.
-        started_ms, (seconds, micros) = client.pipeline().zscore(p.launch_key(MODEL), name).time().execute()
+        pipe = client.pipeline()
+        pipe.zscore(p.launch_key(MODEL), name)
+        pipe.time()
+        started_ms, (seconds, micros) = pipe.execute()
         return started_ms is not None and 0 <= seconds * 1000 + micros / 1000 - started_ms < run.batch_ms / 2
 
     return _poll_broker(run, started_lately, timeout_s, 0.005) is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 
@@ -76,7 +77,8 @@ class ReplicaInfo:
 
 
 def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
-    names = sorted(n.decode() for n in client.smembers(p.REPLICAS_KEY))
+    members = cast("set[bytes]", client.smembers(p.REPLICAS_KEY))  # the client does not decode replies
+    names = sorted(n.decode() for n in members)
     if not names:
         return []
     pipe = client.pipeline(transaction=False)
