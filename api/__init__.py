@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import orjson
 import redis
 from flask import Flask, Response
@@ -24,7 +26,8 @@ class OrjsonProvider(JSONProvider):
 
     def response(self, *args: object, **kwargs: object) -> Response:
         obj = self._prepare_response_obj(args, kwargs)
-        return self._app.response_class(orjson.dumps(obj), mimetype="application/json")
+        # Flask types the provider's app as its sansio base, whose response class takes no body.
+        return cast(Flask, self._app).response_class(orjson.dumps(obj), mimetype="application/json")
 
 
 def create_app(settings: Settings | None = None) -> Flask:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from control.fleet import FleetView
@@ -106,7 +106,7 @@ class _FleetCollector(Collector):
     def __init__(self, fleet: FleetView) -> None:
         self.fleet = fleet
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         ready = GaugeMetricFamily("keybatch_replica_ready", "1 if the replica takes work", labels=["replica", "model"])
         batches = GaugeMetricFamily(
             "keybatch_replica_batches", "Batches run by the replica", labels=["replica", "model"]

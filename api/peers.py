@@ -144,7 +144,8 @@ class Peers:
         try:
             resp = peer.send(body, headers, budget_ms)
         except urllib3.exceptions.HTTPError as exc:
-            return self._unreachable(peer, exc)
+            self._unreachable(peer, exc)
+            return None
         self.outcomes.labels(peer.url, str(resp.status)).inc()
         if resp.status == 503:  # that region cannot serve it either
             resp.drain_conn()
@@ -157,7 +158,8 @@ class Peers:
             data = resp.read()
         except urllib3.exceptions.HTTPError as exc:
             resp.close()
-            return self._unreachable(peer, exc)
+            self._unreachable(peer, exc)
+            return None
         finally:
             resp.release_conn()
         return Response(data, status=resp.status, headers=passed)
@@ -165,7 +167,6 @@ class Peers:
     def _unreachable(self, peer: Peer, exc: Exception) -> None:
         log.warning("peer region %s did not answer: %r", peer.url, exc)
         self.outcomes.labels(peer.url, "unreachable").inc()
-        return None
 
 
 def _relay(peer: Peer, resp: urllib3.BaseHTTPResponse) -> Iterator[bytes]:

@@ -351,11 +351,8 @@ def _delta(before: list[dict[str, float] | None], after: list[dict[str, float] |
     which a broker restart empties): what it counted since is the delta, a lower bound."""
     if any(v is None for v in [*before, *after]):
         return None
-    pairs = list(zip(after, before, strict=True))
-    return {
-        key: sum(a[key] - b[key] if a[key] >= b[key] else a[key] for a, b in pairs)  # type: ignore[index]
-        for key in COUNTERS.values()
-    }
+    pairs = [(a, b) for a, b in zip(after, before, strict=True) if a is not None and b is not None]
+    return {key: sum(a[key] - b[key] if a[key] >= b[key] else a[key] for a, b in pairs) for key in COUNTERS.values()}
 
 
 # -- the faults ----------------------------------------------------------------------

@@ -191,7 +191,7 @@ def kombu_broker(url: str) -> tuple[str, dict[str, object]]:
         userinfo = f"{quote(target.username or '', safe='')}:{quote(target.password, safe='')}@"
     urls = [f"{SENTINEL_SCHEME}://{userinfo}{_netloc(host, port)}/{target.db}" for host, port in target.sentinels]
     bounds = {"socket_timeout": KOMBU_SENTINEL_TIMEOUT_S, "socket_connect_timeout": KOMBU_SENTINEL_TIMEOUT_S}
-    options = {"master_name": target.master, "sentinel_kwargs": _sentinel_kwargs(target, bounds)}
+    options: dict[str, object] = {"master_name": target.master, "sentinel_kwargs": _sentinel_kwargs(target, bounds)}
     return ";".join(urls), options
 
 

@@ -149,6 +149,7 @@ async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: s
     elif answer.status == 200:
         completion = orjson.loads(answer.body)
     if answer.status == 200:
+        assert completion is not None  # each 200 above set it
         kb = completion["keybatch"]
         rec.completion_tokens = completion.get("usage", {}).get("completion_tokens", 0)
         rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import IO, Literal
 
 from control.broker import EmbeddedBroker, child_of
 from control.settings import Settings
@@ -193,7 +193,7 @@ class System:
             for proc in [*self.workers, self.gateway]:
                 if proc is not None and proc.poll() is not None:
                     self.stop()
-                    raise SystemExit(f"a keybatch process exited during start: {proc.args}")
+                    raise SystemExit(f"a keybatch process exited during start: {proc.args!r}")
             try:
                 with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as resp:
                     if resp.status == 200:
@@ -320,7 +320,9 @@ def _end_group(pgid: int) -> None:
         pass
 
 
-def _spawn(cmd: list[str], env: dict[str, str], out: object, niceness: int = 0) -> subprocess.Popen[bytes]:
+def _spawn(
+    cmd: list[str], env: dict[str, str], out: IO[str] | int | None, niceness: int = 0
+) -> subprocess.Popen[bytes]:
     """A child in its own session (Ctrl-C reaches only the supervisor, which stops the
     children in order) that gets SIGTERM if the supervisor dies without stopping it."""
     preexec = child_of(os.getpid())
