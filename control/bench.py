@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from control.loadgen import LoadSpec, generate, print_summary, summarize
 from control.settings import Settings
@@ -151,12 +152,12 @@ def run_policies(settings: Settings, args: argparse.Namespace) -> int:
     from control import workloads
 
     bodies = workloads.mixed(args.requests, seed=args.seed)
-    results: dict[str, object] = {"model": args.model, "workers": args.workers, "p99_target_ms": args.p99_ms}
+    results: dict[str, Any] = {"model": args.model, "workers": args.workers, "p99_target_ms": args.p99_ms}
     policies = [p for p in args.policies.split(",") if p]
     for policy in policies:
         with _hf_deployment(args.workers, policy, args.model) as url:
             results[policy] = _ladder(url, args, bodies, f"{policy}")
-    common = args.common_rate or min(results[p]["sustainable_rps"] or args.start_rate for p in policies)  # type: ignore[index]
+    common = args.common_rate or min(results[p]["sustainable_rps"] or args.start_rate for p in policies)
     results["common_rps"] = common
     for policy in policies:
         with _hf_deployment(args.workers, policy, args.model) as url:

@@ -800,7 +800,7 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         "wasted_results": wasted,
         "server_counters": counters,
         "faults": [asdict(i) for i in injections],
-        "recover_s": None if not recovered or None in recovered else max(recovered),  # type: ignore[type-var]
+        "recover_s": None if not recovered or None in recovered else max(r for r in recovered if r is not None),
         "requeue_ms_median": _median([i.requeue_ms for i in injections if i.requeue_ms is not None]),
         "pre_fault_p99_ms": baseline,
         "affected": _group([r for i, r in enumerate(records) if i in hit]),

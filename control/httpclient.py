@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -45,7 +46,7 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -305,7 +305,7 @@ def _unpatched_pool_checks() -> None:
 
     original = types.ModuleType("select")
     original.__dict__.update(vars(select))
-    original.poll = monkey.get_original("select", "poll")  # type: ignore[attr-defined]
+    original.poll = monkey.get_original("select", "poll")  # type: ignore[attr-defined]  # ModuleType declares none
     hiredis.select = original
 
 

@@ -26,6 +26,7 @@ from control import failover
 from control import protocol as p
 from control.clock import BrokerClock, Clock
 from control.fleet import ENGINE_PREFIX
+from control.settings import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 from tasks.messages import job_from_message
@@ -404,11 +405,11 @@ class Replica:
         }
         if late:  # paid requests taken straight from the queue at this launch
             pipe.hset(p.held_key(self.name), mapping=late)
-        by_tier: dict[str, list[str]] = defaultdict(list)
+        by_tier: dict[Tier, list[str]] = defaultdict(list)
         for pending in leaving:
             by_tier[pending.tier].append(pending.id)
         for tier, ids in by_tier.items():
-            pipe.zrem(p.waiting_key(self.model, tier), *ids)  # type: ignore[arg-type]
+            pipe.zrem(p.waiting_key(self.model, tier), *ids)
         notices = [
             p.Dropped(id=pending.id, reason=reason, replica=self.name)
             for reason, group in dropped.items()
