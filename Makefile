@@ -29,4 +29,4 @@ bench: install
 	$(BIN)/keybatch bench serving --json docs/bench/serving.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
