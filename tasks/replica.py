@@ -305,6 +305,7 @@ class Replica:
             batch: list[Pending] = []
             try:
                 self.renew_lease_if_due()
+                self.collector.config.batch_ms = self.engine.expected_batch_ms()  # measured, where the engine can
                 if due:
                     batch, dropped = self._take()
                     batch = self._settle(batch, dropped)
