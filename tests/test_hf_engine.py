@@ -210,7 +210,7 @@ def test_text_stream_holds_half_characters(reference: HFEngine) -> None:
     text = "a🙂b ж"
     ids = tok(text, add_special_tokens=False).input_ids
     assert len(ids) > len(text)  # the emoji is split over several byte tokens
-    stream = TextStream(tok, [])
+    stream = TextStream(reference.decode_text, [])
     pieces = []
     for token in ids:
         stream.push(token)
@@ -223,7 +223,7 @@ def test_text_stream_holds_half_characters(reference: HFEngine) -> None:
 
 def test_text_stream_holds_back_a_possible_stop(reference: HFEngine) -> None:
     tok = reference.tokenizer
-    stream = TextStream(tok, ["\n\n"])
+    stream = TextStream(reference.decode_text, ["\n\n"])
     sent = ""
     for token in tok("x = 1\n\ny = 2", add_special_tokens=False).input_ids:
         stream.push(token)

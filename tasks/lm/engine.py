@@ -137,16 +137,27 @@ class HFEngine:
     def _read_vocabulary(self) -> None:
         tok = self.tokenizer
         eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-        end_of_text = tok.convert_tokens_to_ids(fim.END_OF_TEXT)
-        self.eos_ids = {i for i in eos_ids | {end_of_text} if i is not None and i != tok.unk_token_id}
-        self.document_start = end_of_text if end_of_text in self.eos_ids else min(self.eos_ids, default=0)
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids, default=0)
-        fim_ids = tok.convert_tokens_to_ids([fim.FIM_PREFIX, fim.FIM_SUFFIX, fim.FIM_MIDDLE])
-        self.fim_ids: list[int] | None = None if None in fim_ids or tok.unk_token_id in fim_ids else fim_ids
+        candidates = [*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id, self._token_id(fim.END_OF_TEXT)]
+        self.eos_ids: set[int] = {i for i in candidates if isinstance(i, int)}
+        end_of_text = self._token_id(fim.END_OF_TEXT)
+        self.document_start: int = end_of_text if end_of_text is not None else min(self.eos_ids, default=0)
+        pad = tok.pad_token_id
+        self.pad_id: int = pad if isinstance(pad, int) else self.document_start
+        fim_ids = [self._token_id(t) for t in (fim.FIM_PREFIX, fim.FIM_SUFFIX, fim.FIM_MIDDLE)]
+        self.fim_ids: list[int] | None = [i for i in fim_ids if i is not None] if None not in fim_ids else None
         self.special_strings = [s for s in tok.all_special_tokens if s]
         bos = tok.bos_token_id
-        self.bos_ids = [bos] if bos is not None and tok("a").input_ids[:1] == [bos] else []
+        self.bos_ids: list[int] = [bos] if isinstance(bos, int) and tok("a").input_ids[:1] == [bos] else []
+
+    def _token_id(self, token: str) -> int | None:
+        """The id of a token the vocabulary holds as one token, else None."""
+        found = self.tokenizer.convert_tokens_to_ids(token)
+        return found if isinstance(found, int) and found != self.tokenizer.unk_token_id else None
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """Text of generated tokens (special tokens are not text)."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text if isinstance(text, str) else "".join(text)
 
     # The Engine contract.
 
@@ -195,7 +206,7 @@ class HFEngine:
             prompt_ids,
             min(job.max_tokens, self.max_context - len(prompt_ids)),
             next(self._arrivals),
-            TextStream(self.tokenizer, job.stop),
+            TextStream(self.decode_text, job.stop),
             generator,
         )
 

@@ -40,9 +40,10 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, window: Window) -> None:
         super().__init__()
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
-        self.device = self.keys.device
+        self.key_slots = torch.zeros(shape, dtype=dtype)
+        self.value_slots = torch.zeros(shape, dtype=dtype)
+        self.keys, self.values = self.key_slots, self.value_slots  # what transformers' helpers read
+        self.device = self.key_slots.device
         self.is_initialized = True
         self.window = window
 
@@ -54,12 +55,12 @@ class SlotLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [rows, kv_heads, q_len, head_dim]
         w = self.window
-        for cache, new in ((self.keys, key_states), (self.values, value_states)):
+        for cache, new in ((self.key_slots, key_states), (self.value_slots, value_states)):
             if w.rows is None:  # a prefill chunk of one row at consecutive positions
                 cache[w.start, :, w.first : w.first + new.shape[2]] = new[0]
             else:  # a decode: one token per row, each at its own position
                 cache[w.rows, :, w.positions] = new[:, :, 0]
-        return self.keys[w.start : w.stop, :, : w.kv_len], self.values[w.start : w.stop, :, : w.kv_len]
+        return self.key_slots[w.start : w.stop, :, : w.kv_len], self.value_slots[w.start : w.stop, :, : w.kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.window.kv_len, 0
@@ -68,7 +69,7 @@ class SlotLayer(CacheLayerMixin):
         return self.window.kv_len
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self.key_slots.shape[2]
 
 
 class SlotCache(Cache):
@@ -81,11 +82,12 @@ class SlotCache(Cache):
         self.num_slots = num_slots
         self.max_len = max_len
         shape = (num_slots + 1, kv_heads, max_len, head_dim)  # the last row is scratch for swaps
-        super().__init__(layers=[SlotLayer(shape, dtype, self.window) for _ in range(config.num_hidden_layers)])
+        self.slot_layers = [SlotLayer(shape, dtype, self.window) for _ in range(config.num_hidden_layers)]
+        super().__init__(layers=list(self.slot_layers))
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        return sum(layer.key_slots.nbytes + layer.value_slots.nbytes for layer in self.slot_layers)
 
     def bind_decode(self, num_rows: int, positions: torch.Tensor) -> int:
         """The next forward decodes rows [0, num_rows), row i writing at positions[i]."""
@@ -105,9 +107,9 @@ class SlotCache(Cache):
         """Row `dst` gets the first `length` positions of row `src`."""
         if src == dst or length <= 0:
             return
-        for layer in self.layers:
-            layer.keys[dst, :, :length] = layer.keys[src, :, :length]
-            layer.values[dst, :, :length] = layer.values[src, :, :length]
+        for layer in self.slot_layers:
+            layer.key_slots[dst, :, :length] = layer.key_slots[src, :, :length]
+            layer.value_slots[dst, :, :length] = layer.value_slots[src, :, :length]
 
     def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
         """Rows `a` and `b` trade places (through the scratch row)."""
@@ -120,12 +122,15 @@ class SlotCache(Cache):
         """A copy of positions [start, start + length) of `row`: [layers, 2, kv_heads, length, head_dim]."""
         end = start + length
         return torch.stack(
-            [torch.stack((layer.keys[row, :, start:end], layer.values[row, :, start:end])) for layer in self.layers]
+            [
+                torch.stack((layer.key_slots[row, :, start:end], layer.value_slots[row, :, start:end]))
+                for layer in self.slot_layers
+            ]
         )
 
     def write_block(self, row: int, start: int, block: torch.Tensor) -> None:
         """Put a block from `read_block` at positions [start, ...) of `row`."""
         end = start + block.shape[3]
-        for layer, kv in zip(self.layers, block, strict=True):
-            layer.keys[row, :, start:end] = kv[0]
-            layer.values[row, :, start:end] = kv[1]
+        for layer, kv in zip(self.slot_layers, block, strict=True):
+            layer.key_slots[row, :, start:end] = kv[0]
+            layer.value_slots[row, :, start:end] = kv[1]

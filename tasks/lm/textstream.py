@@ -10,20 +10,18 @@ pieces add up to the completion.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"  # what decoding half a UTF-8 character gives
 
-
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+Decode = Callable[[list[int]], str]  # token ids to text, special tokens left out
 
 
 class TextStream:
     """Tokens in (`push`), safe text out (`take`), the rest at the end (`finish`)."""
 
-    def __init__(self, tokenizer: Decoder, stops: list[str]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Decode, stops: list[str]) -> None:
+        self._decode = decode
         self.stops = [s for s in stops if s]
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (cut at a stop once one is found)
@@ -57,9 +55,6 @@ class TextStream:
     @property
     def emitted_text(self) -> str:
         return self.text[: self._emitted]
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _decode_new(self, final: bool) -> str:
         before = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
