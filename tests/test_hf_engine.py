@@ -8,12 +8,16 @@ against transformers' Llama forward.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from control.cli import main
 from control.protocol import Job
 from tasks.engine import RequestError, RequestStatus, StepOutput, run_batch
 from tasks.lm import fim
@@ -379,3 +383,24 @@ def test_costs_come_from_measurement(model_dir: Path) -> None:
     assert stats["running"] == stats["waiting"] == 0
     assert stats["decode_tokens"] + stats["prefill_tokens"] > 0
     assert engine.name == f"hf:{model_dir.name}"
+
+
+def test_the_cli_loads_torch_only_for_the_engine_bench() -> None:
+    code = (
+        "import sys, control.cli as cli; "
+        "args = cli._parser().parse_args(['bench', 'engine', '--model', 'x', '--json', 'f.json']); "
+        "assert (args.bench, args.model, args.json) == ('engine', 'x', 'f.json'); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_engine_bench_measures_the_curve(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "curve.json"
+    argv = ["bench", "engine", "--model", str(model_dir), "--threads", "1", "--batches", "1,2"]
+    assert main([*argv, "--contexts", "64,128,512", "--chunks", "16", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["decode_ms"]) == {"64", "128"}  # 512 is beyond the tiny model's context
+    assert set(report["decode_ms"]["64"]) == {"1", "2"}
+    assert report["prefill_ms"]["16"] > 0
+    assert report["model"]["context"] == CONTEXT
