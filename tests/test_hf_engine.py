@@ -398,8 +398,11 @@ def test_the_cli_loads_torch_only_for_the_engine_bench() -> None:
 def test_engine_bench_measures_the_curve(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "curve.json"
     argv = ["bench", "engine", "--model", str(model_dir), "--threads", "1", "--batches", "1,2"]
-    assert main([*argv, "--contexts", "64,128,512", "--chunks", "16", "--repeats", "1", "--json", str(out)]) == 0
+    argv += ["--contexts", "64,128,512", "--chunks", "16", "--repeats", "1", "--json", str(out)]
+    assert main([*argv, "--serve", "3", "--serve-rps", "100", "--serve-batch", "2"]) == 0
     report = json.loads(out.read_text())
+    for name in ("static", "continuous", "continuous_no_prefix_cache"):
+        assert report["serve"]["policies"][name]["requests"] == 3
     assert set(report["decode_ms"]) == {"64", "128"}  # 512 is beyond the tiny model's context
     assert set(report["decode_ms"]["64"]) == {"1", "2"}
     assert report["prefill_ms"]["16"] > 0

@@ -36,6 +36,7 @@ from tasks.lm.textstream import TextStream
 from tasks.scheduler import ContinuousScheduler, Policy, RunningRequest, SchedulerConfig, WaitingRequest
 
 PREFIX_BLOCK = 32  # tokens per prefix-cache block
+PREFIX_CACHE_TOKENS = 32_768  # default bound of the prefix cache: 32 prompts of a full 1,024-token context
 COMPLETION_PRIOR = 16  # tokens a request generates, until finished requests say otherwise (Job's default)
 
 
@@ -89,7 +90,7 @@ class HFEngine:
         policy: Policy = "continuous",
         token_budget: int | None = None,
         prefill_chunk: int = 256,
-        prefix_cache_tokens: int = 32_768,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         threads: int | None = None,
         seed: int = 0,
         name: str | None = None,
