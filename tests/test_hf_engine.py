@@ -80,7 +80,7 @@ def generate_text(reference: HFEngine, job: Job) -> tuple[str, int]:
             pad_token_id=reference.pad_id,
         )
     new = [t for t in out[0, ids.shape[1] :].tolist() if t not in reference.eos_ids]
-    return reference.tokenizer.decode(new, skip_special_tokens=True), len(new)
+    return reference.decode_text(new), len(new)
 
 
 def drain(engine: HFEngine, outputs: dict[str, StepOutput], deltas: dict[str, str]) -> Iterator[list[StepOutput]]:

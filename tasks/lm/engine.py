@@ -156,8 +156,8 @@ class HFEngine:
         return found if isinstance(found, int) and found != self.tokenizer.unk_token_id else None
 
     def decode_text(self, token_ids: list[int]) -> str:
-        """Text of generated tokens (special tokens are not text)."""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        """Text of generated tokens (special tokens are not text; code keeps its spaces)."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return text if isinstance(text, str) else "".join(text)
 
     # The Engine contract.
