@@ -36,7 +36,7 @@ from tasks.lm.textstream import TextStream
 from tasks.scheduler import ContinuousScheduler, Policy, RunningRequest, SchedulerConfig, WaitingRequest
 
 PREFIX_BLOCK = 32  # tokens per prefix-cache block
-PREFIX_CACHE_TOKENS = 32_768  # default bound of the prefix cache: 32 prompts of a full 1,024-token context
+PREFIX_CACHE_TOKENS = 16_384  # default bound of the prefix cache: 16 full 1,024-token prompts
 COMPLETION_PRIOR = 16  # tokens a request generates, until finished requests say otherwise (Job's default)
 
 
@@ -266,6 +266,7 @@ class HFEngine:
             "waiting": len(self.waiting),
             "prefix_hit_rate": c["prefix_hit_tokens"] / c["prefix_query_tokens"] if c["prefix_query_tokens"] else 0.0,
             "prefix_cache_tokens": self.prefix_cache.num_tokens,
+            "kv_cache_mb": self.cache.nbytes / 2**20,
             "step_ms": self.costs.step_ms or 0.0,
             "prefill_ms_per_token": self.costs.prefill_ms_per_token or 0.0,
             **{f"decode_ms_batch_{b}": ms for b, ms in sorted(self.costs.decode_ms.items())},
