@@ -207,6 +207,9 @@ class BrokerHealth:
         return self.silent_s >= self.down_after_s
 
 
+NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
+
+
 class Gateway:
     def __init__(self, settings: Settings, client: redis.Redis, celery: Celery, clock: Clock) -> None:
         self.settings = settings
@@ -214,7 +217,10 @@ class Gateway:
         self.celery = celery
         self.clock = clock
         self.id = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
-        self.fleet = FleetView(client)
+        # The registry is read in the background, on its own connection and with room to
+        # answer: a read timed out on the request path's bound left a new process with an
+        # empty view of the fleet, which answered its first requests 503 `no_replica`.
+        self.fleet = FleetView(client_like(client, socket_timeout=1.0, socket_connect_timeout=0.5))
         self.metrics = Metrics(self.fleet)
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
         self.waiters: dict[str, list[Waiter]] = {}  # by attempt
@@ -271,6 +277,11 @@ class Gateway:
             raise _broker_down(None)
         budget = job.deadline_ms - job.received_ms
         capacity = self.fleet.capacity(job.model)
+        if capacity.num_replicas == 0 and self.fleet.age_s() > NO_REPLICA_RECHECK_S:
+            # The view is refreshed every 250 ms: a replica that registered since (a fleet
+            # starting, a replica back from a restart) must not be refused 503 meanwhile.
+            self.fleet.refresh()
+            capacity = self.fleet.capacity(job.model)
         verdict, position = admission.check(budget, capacity, self.limits), 0
         if verdict == Verdict.ADMIT:
             now = self.clock.now_ms()

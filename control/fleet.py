@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -114,6 +115,7 @@ class FleetView:
         self.replicas: list[ReplicaInfo] = []
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
         self.is_reachable = False
+        self.read_at = 0.0  # time.monotonic() of the last successful read
         self._started = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -123,7 +125,10 @@ class FleetView:
             if self._started:
                 return
             self._started = True
-        self.refresh()
+        for _ in range(3):  # a first read that fails would leave an empty fleet until the next
+            self.refresh()
+            if self.is_reachable:
+                break
         threading.Thread(target=self._loop, name="fleet-view", daemon=True).start()
 
     def stop(self) -> None:
@@ -134,12 +139,17 @@ class FleetView:
             self.replicas = read_fleet(self.client)
             self.num_wasted = int(self.client.get(p.WASTED_KEY) or 0)
             self.is_reachable = True
+            self.read_at = time.monotonic()
         except redis.RedisError:
             self.is_reachable = False
 
     def _loop(self) -> None:
         while not self._stop.wait(self.refresh_s):
             self.refresh()
+
+    def age_s(self) -> float:
+        """Seconds since the registry was last read."""
+        return time.monotonic() - self.read_at
 
     def capacity(self, model: str) -> Capacity:
         return capacity_of(self.replicas, model)

@@ -347,9 +347,15 @@ class Replica:
         return f"{job.deadline_ms:.0f}|{queue}|{waiting}|{job.key}|{message or self.envelope(job)}"
 
     def _lease_commands(self, pipe: redis.client.Pipeline) -> None:
-        pipe.set(p.lease_key(self.name), 1, px=int(self.lease_ms))
+        now = _monotonic_ms()
+        late = now - (self._renew_at_ms + max(self.lease_ms, 4 * self.engine.expected_step_ms()) - self.lease_ms / 3)
+        if self._renew_at_ms and late > 0:
+            log.warning("lease renewed %.0f ms after it lapsed (the loop stalled)", late)
+        # A step is renewed around, never during: the lease outlasts a few of the slowest.
+        lease_ms = max(self.lease_ms, 4 * self.engine.expected_step_ms())
+        pipe.set(p.lease_key(self.name), 1, px=int(lease_ms))
         pipe.sadd(p.HOLDERS_KEY, self.name)
-        self._renew_at_ms = _monotonic_ms() + self.lease_ms / 3
+        self._renew_at_ms = now + self.lease_ms / 3
 
     def _renew_lease(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -762,7 +768,12 @@ class Replica:
 
     def _heartbeat(self) -> None:
         stalled_beats = 0
+        last = _monotonic_ms()
         while not self._stopped.wait(self.heartbeat_s):
+            now = _monotonic_ms()
+            if now - last > self.ttl_s * 1000 * 2 / 3:
+                log.warning("heartbeat %.0f ms late: the registry may have dropped this replica", now - last)
+            last = now
             stalled_beats = stalled_beats + 1 if self._is_stalled() else 0
             if stalled_beats >= 2:
                 self._give_up_stalled()

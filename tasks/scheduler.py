@@ -32,6 +32,10 @@ class SchedulerConfig:
     token_budget: int = 512  # tokens computed per step: one per decode, the rest for prefill
     prefill_chunk: int = 256  # the most prompt tokens one request prefills in a step
     policy: Policy = "continuous"
+    # Each request's prefill is a forward of its own, with a fixed cost besides its tokens:
+    # a burst of short prompts admitted together would otherwise make one step of dozens
+    # of forwards, stalling the running decodes (and the replica's lease) for its length.
+    max_prefills: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -40,6 +44,8 @@ class SchedulerConfig:
             raise ValueError(f"max_slots must be at least 1, not {self.max_slots}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {self.prefill_chunk}")
+        if self.max_prefills < 1:
+            raise ValueError(f"max_prefills must be at least 1, not {self.max_prefills}")
         # Every running request may decode in the same step; a request still prefilling
         # holds a slot no decode uses, so at least one token is left for it.
         if self.token_budget < self.max_slots:
@@ -130,7 +136,7 @@ class ContinuousScheduler:
         prefills: dict[str, int] = {}
         # A finished request never prefills; a static batch's finished rows still decode (padding).
         for request in sorted((r for r in running if not (r.is_decoding or r.is_finished)), key=_priority):
-            if budget <= 0:
+            if budget <= 0 or len(prefills) == self.config.max_prefills:
                 break
             num_tokens = min(request.num_prefill_left, self.config.prefill_chunk, budget)
             prefills[request.id] = num_tokens

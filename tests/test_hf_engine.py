@@ -325,7 +325,7 @@ class Recorder:
     def emit(self, request_id: str, text: str) -> None:
         self.streamed[request_id] = self.streamed.get(request_id, "") + text
 
-    def keep_alive(self) -> None:
+    def end_step(self) -> None:
         self.renewals += 1
 
 

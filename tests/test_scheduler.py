@@ -134,3 +134,10 @@ def test_policy_code_imports_only_the_standard_library() -> None:
         for alias in node.names
     }
     assert imported <= {"__future__", "dataclasses", "typing"}
+
+
+def test_a_burst_of_short_prompts_prefills_a_few_per_step() -> None:
+    config = SchedulerConfig(max_slots=64, token_budget=512, prefill_chunk=256, max_prefills=8)
+    running = [RunningRequest(f"r{i}", num_prefill_left=6, arrival=i) for i in range(50)]
+    plan = ContinuousScheduler(config).plan(running)
+    assert len(plan.prefills) == 8 and plan.num_tokens == 48

@@ -153,7 +153,7 @@ def _tokenizer_stamp() -> dict[str, object]:
 
 
 def model_config(size: ModelSize, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
-    eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    eot = token_id(tokenizer, END_OF_TEXT)
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=size.hidden,
@@ -180,7 +180,7 @@ class TokenStream:
         self._tok: Tokenizer = tokenizer.backend_tokenizer
         self._rng = random.Random(seed)
         self._eot, self._pre, self._suf, self._mid = (
-            tokenizer.convert_tokens_to_ids(t) for t in (END_OF_TEXT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)
+            token_id(tokenizer, t) for t in (END_OF_TEXT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)
         )
 
     def batches(self, batch: int, seq_len: int) -> Iterator[torch.Tensor]:
@@ -246,10 +246,18 @@ class TokenStream:
         return self._tok.encode(text, add_special_tokens=False).ids if text else []
 
 
+def token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    """The id of one special token (the tokenizer's API also answers lists for lists)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise BuildError(f"the tokenizer has no single id for {token!r}")
+    return found
+
+
 def held_out_batch(tokenizer: PreTrainedTokenizerFast, num_seqs: int = 16) -> torch.Tensor:
     """`num_seqs` sequences spread evenly over the held-out files' tokens (left to right)."""
     tok: Tokenizer = tokenizer.backend_tokenizer
-    eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    eot = token_id(tokenizer, END_OF_TEXT)
     ids: list[int] = []
     for encoding in tok.encode_batch([f.text for f in corpus.held_out_files()], add_special_tokens=False):
         ids.extend(encoding.ids + [eot])

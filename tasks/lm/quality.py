@@ -41,7 +41,7 @@ NUM_THREADS = 2
 CODEC_TABLES = "encodings/"  # generated charmap tables: a fifth of the held-out text, easy to predict
 # The parser alone (an AST, no compile step), and codeop's flags that make incomplete input an error
 # that says so: codeop's own check compiles, which rejects `return` outside a function.
-_PARSE_FLAGS = ast.PyCF_ONLY_AST | codeop.PyCF_ALLOW_INCOMPLETE_INPUT | codeop.PyCF_DONT_IMPLY_DEDENT
+_PARSE_FLAGS = ast.PyCF_ONLY_AST | codeop.PyCF_ALLOW_INCOMPLETE_INPUT | codeop.PyCF_DONT_IMPLY_DEDENT  # type: ignore[attr-defined]  # codeop's flags, not in typeshed
 _CLAUSE_OPENERS = {
     "else": "if x:\n    pass\n",
     "elif": "if x:\n    pass\n",
@@ -80,7 +80,7 @@ def evaluate(folder: Path, n: int = 200, seed: int = 0) -> dict[str, object]:
 def untrained_twin(model: PreTrainedModel, seed: int) -> LlamaForCausalLM:
     """The model's shape with the random weights a build with `seed` starts from."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM(model.config).eval()
+    return LlamaForCausalLM(model.config).eval()  # type: ignore[arg-type]  # a Llama folder's config is a LlamaConfig
 
 
 def score(lines: list[str], cuts: list[corpus.PromptCut]) -> dict[str, float]:
@@ -129,7 +129,7 @@ def first_lines(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prom
     for start in range(0, len(order), BATCH):
         chunk = order[start : start + BATCH]
         inputs = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True)
-        out = model.generate(
+        out = model.generate(  # type: ignore[operator]  # PreTrainedModel.generate, typed as a module attribute
             **inputs,
             max_new_tokens=GEN_TOKENS,
             do_sample=False,
