@@ -19,6 +19,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,8 +92,19 @@ def describe(engine: HFEngine, folder: Path) -> dict[str, object]:
     }
 
 
+def _commit() -> str | None:
+    """The code's commit, when it runs from a git checkout."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except OSError:
+        return None
+    return found.stdout.strip() or None
+
+
 def _machine(threads: int) -> dict[str, object]:
     return {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "commit": _commit(),
         "cpus": os.cpu_count(),
         "torch_threads": threads,
         "torch": torch.__version__,
