@@ -181,7 +181,7 @@ class Arrival:
 
 def _code_file(index: int, num_functions: int = 60) -> str:
     """A synthetic Python module: the served prompts are its prefixes."""
-    parts = [f'"""Module {index}: helpers."""\n\nimport math\n\n']
+    parts = [f'"""Module {index}: numeric utilities."""\n\nimport math\n\n']
     for i in range(num_functions):
         name = f"step_{index}_{i}"
         parts.append(
