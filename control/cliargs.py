@@ -53,7 +53,7 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--serve", type=int, default=0, help="also serve this many requests with each policy (0: the curve only)"
     )
-    p.add_argument("--serve-rps", type=float, default=2.0, help="their Poisson arrival rate")
+    p.add_argument("--serve-rps", default="4,16", help="their Poisson arrival rates, comma-separated (one run each)")
     p.add_argument("--serve-batch", type=int, default=16, help="slots of the serving engines")
     p.add_argument("--json", default=None, help="write the curve here")
 

@@ -402,7 +402,7 @@ def test_engine_bench_measures_the_curve(model_dir: Path, tmp_path: Path) -> Non
     assert main([*argv, "--serve", "3", "--serve-rps", "100", "--serve-batch", "2"]) == 0
     report = json.loads(out.read_text())
     for name in ("static", "continuous", "continuous_no_prefix_cache"):
-        assert report["serve"]["policies"][name]["requests"] == 3
+        assert report["serve"]["by_rps"]["100"][name]["requests"] == 3
     assert set(report["decode_ms"]) == {"64", "128"}  # 512 is beyond the tiny model's context
     assert set(report["decode_ms"]["64"]) == {"1", "2"}
     assert report["prefill_ms"]["16"] > 0

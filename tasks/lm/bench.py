@@ -19,6 +19,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,8 +92,19 @@ def describe(engine: HFEngine, folder: Path) -> dict[str, object]:
     }
 
 
+def _commit() -> str | None:
+    """The code's commit, when it runs from a git checkout."""
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except OSError:
+        return None
+    return found.stdout.strip() or None
+
+
 def _machine(threads: int) -> dict[str, object]:
     return {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "commit": _commit(),
         "cpus": os.cpu_count(),
         "torch_threads": threads,
         "torch": torch.__version__,
@@ -130,10 +142,13 @@ def _print(report: dict) -> None:
 
 
 def _print_serve(console: Console, serve: dict) -> None:
-    table = Table(
-        title=f"{serve['requests']} requests, Poisson {serve['rps']} req/s, {serve['max_batch']} slots: "
-        "arrival to final output"
-    )
+    for rps, policies in serve["by_rps"].items():
+        title = f"{serve['requests']} requests, Poisson {rps} req/s, {serve['max_batch']} slots: arrival to finish"
+        _print_policies(console, title, policies)
+
+
+def _print_policies(console: Console, title: str, policies: dict) -> None:
+    table = Table(title=title)
     columns = {
         "completion_tokens_per_s": "tokens/s",
         "latency_p50_ms": "p50 ms",
@@ -148,7 +163,7 @@ def _print_serve(console: Console, serve: dict) -> None:
     table.add_column("policy")
     for label in columns.values():
         table.add_column(label, justify="right")
-    for name, row in serve["policies"].items():
+    for name, row in policies.items():
         table.add_row(name, *(f"{row[c]:.2f}" if c == "prefix_hit_rate" else f"{row[c]:.0f}" for c in columns))
     console.print(table)
 
@@ -166,7 +181,7 @@ class Arrival:
 
 def _code_file(index: int, num_functions: int = 60) -> str:
     """A synthetic Python module: the served prompts are its prefixes."""
-    parts = [f'"""Module {index}: helpers."""\n\nimport math\n\n']
+    parts = [f'"""Module {index}: numeric utilities."""\n\nimport math\n\n']
     for i in range(num_functions):
         name = f"step_{index}_{i}"
         parts.append(
@@ -182,7 +197,7 @@ def make_arrivals(engine: HFEngine, num_requests: int, rps: float, seed: int = 1
     """Poisson arrivals of greedy completions: a prompt is a prefix of one of a few code files
     (64 tokens to three quarters of the context), max_tokens 8 to 64."""
     rng = random.Random(seed)
-    files = [engine.tokenizer(_code_file(i)).input_ids for i in range(SOURCE_FILES)]
+    files = [engine.tokenizer(_code_file(i), verbose=False).input_ids for i in range(SOURCE_FILES)]
     longest = min(min(len(f) for f in files), engine.max_context * 3 // 4)
     arrivals, at_s = [], 0.0
     for i in range(num_requests):
@@ -249,7 +264,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def compare_policies(folder: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def compare_policies(folder: Path, args: argparse.Namespace, rps: float) -> dict[str, dict[str, float]]:
     """The same arrivals through the static policy, the continuous one, and the continuous one
     without prefix reuse."""
     runs: list[tuple[str, Policy, int]] = [
@@ -263,7 +278,7 @@ def compare_policies(folder: Path, args: argparse.Namespace) -> dict[str, dict[s
         engine = HFEngine(
             folder, max_batch=args.serve_batch, policy=policy, prefix_cache_tokens=cache_tokens, threads=args.threads
         )
-        arrivals = arrivals or make_arrivals(engine, args.serve, args.serve_rps)
+        arrivals = arrivals or make_arrivals(engine, args.serve, rps)
         with torch.inference_mode():
             summary = serve(engine, arrivals)
         stats = engine.stats()
@@ -299,11 +314,11 @@ def run_engine_bench(settings: Settings, args: argparse.Namespace) -> int:
     }
     engine.close()
     if args.serve:
+        rates = [float(r) for r in args.serve_rps.split(",")]
         report["serve"] = {
             "requests": args.serve,
-            "rps": args.serve_rps,
             "max_batch": args.serve_batch,
-            "policies": compare_policies(folder, args),
+            "by_rps": {f"{rps:g}": compare_policies(folder, args, rps) for rps in rates},
         }
     report["load_after"] = os.getloadavg()[0]
     _print(report)

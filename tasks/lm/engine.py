@@ -494,7 +494,7 @@ class HFEngine:
             # end-of-text separator begins in training (as OpenAI's completions do).
             return [self.document_start]
         if not any(s in user_text for s in self.special_strings):
-            return list(self.tokenizer(text).input_ids)
+            return list(self.tokenizer(text, verbose=False).input_ids)  # the context limit is checked here, not there
         # The user's code spells a special token: read it as plain text, so it cannot act as one.
         plain = [self._encode_plain(job.prompt)]
         if job.suffix and self.fim_ids is not None:
@@ -503,4 +503,4 @@ class HFEngine:
         return self.bos_ids + [token for piece in plain for token in piece]
 
     def _encode_plain(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False).input_ids)

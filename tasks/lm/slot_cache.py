@@ -42,7 +42,7 @@ class SlotLayer(CacheLayerMixin):
         super().__init__()
         self.key_slots = torch.zeros(shape, dtype=dtype)
         self.value_slots = torch.zeros(shape, dtype=dtype)
-        self.keys, self.values = self.key_slots, self.value_slots  # what transformers' helpers read
+        self.keys, self.values = self.key_slots, self.value_slots  # what transformers' own code reads
         self.device = self.key_slots.device
         self.is_initialized = True
         self.window = window
