@@ -51,10 +51,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from control.cliargs import add_load_args, add_policies_args, add_serving_args
+    from control.cliargs import add_load_args, add_peer_args, add_policies_args, add_serving_args
 
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
     add_policies_args(bench_sub.add_parser("policies", help="static against continuous batching on a real model"))
+    add_peer_args(
+        bench_sub.add_parser("peer", help="keybatch against transformers serve (needs `pip install -e .[peer]`)")
+    )
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
     from control.cliargs import add_chaos_args
 
@@ -123,6 +126,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.bench == "policies":
         return bench.run_policies(settings, args)
+    if args.bench == "peer":
+        from control.peerbench import run_peer
+
+        return run_peer(settings, args)
     return bench.run_serving(settings, args)
 
 
