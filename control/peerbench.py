@@ -85,14 +85,20 @@ class PeerServer:
             cmd += ["--continuous-batching", "--cb-max-memory-percent", str(self.memory_share)]
         return cmd + self.extra
 
-    def env(self) -> dict[str, str]:
+    def env_changes(self) -> dict[str, str]:
         threads = str(self.threads)  # torch reads these at import: the same compute keybatch's replicas get
-        offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-        return {**os.environ, **offline, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        return {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_HUB_DISABLE_UPDATE_CHECK": "1",  # else its command line asks PyPI for a newer version
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+        }
 
     def shown(self) -> str:
         """The command as one would type it, with the environment it differs by."""
-        env = f"HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS={self.threads} MKL_NUM_THREADS={self.threads}"
+        env = " ".join(f"{k}={v}" for k, v in self.env_changes().items())
         return f"{env} {shlex.join(self.command())}"
 
 
@@ -101,7 +107,7 @@ def _peer_process(server: PeerServer, log_path: Path) -> Iterator[subprocess.Pop
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             server.command(),
-            env=server.env(),
+            env={**os.environ, **server.env_changes()},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -158,7 +164,7 @@ def _first_answer(url: str, body: dict, timeout_s: float) -> float:
 
 def _log_tail(path: Path, lines: int = 30) -> str:
     with suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join([line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:])
     return ""
 
 
@@ -431,8 +437,9 @@ def _measure_peer(folder: str, threads: int, args: argparse.Namespace, bodies: l
                 if proc.poll() is not None:
                     result["exited"] = {"code": proc.returncode, "log_tail": _log_tail(log_path)}
         except PeerFailed as exc:
+            error = f"{exc}; its log ends: {_log_tail(log_path, 1)}"
             failures.append(
-                {"mode": server.mode, "command": server.shown(), "error": str(exc), "log_tail": _log_tail(log_path)}
+                {"mode": server.mode, "command": server.shown(), "error": error, "log_tail": _log_tail(log_path)}
             )
             print(f"   the peer failed: {exc}\n{_log_tail(log_path, 12)}", file=sys.stderr, flush=True)
             continue
