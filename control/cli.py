@@ -51,10 +51,11 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from control.cliargs import add_load_args, add_peer_args, add_policies_args, add_serving_args
+    from control.cliargs import add_engine_bench_args, add_load_args, add_peer_args, add_policies_args, add_serving_args
 
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
     add_policies_args(bench_sub.add_parser("policies", help="static against continuous batching on a real model"))
+    add_engine_bench_args(bench_sub.add_parser("engine", help="the torch engine's step time: decode and prefill"))
     add_peer_args(
         bench_sub.add_parser("peer", help="keybatch against transformers serve (needs `pip install -e .[peer]`)")
     )
@@ -122,6 +123,10 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _bench(settings: Settings, args: argparse.Namespace) -> int:
+    if args.bench == "engine":
+        from tasks.lm.bench import run_engine_bench
+
+        return run_engine_bench(settings, args)
     from control import bench
 
     if args.bench == "policies":

@@ -85,6 +85,23 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write all figures here")
 
 
+def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="kb-small", help="a configured model name (under KEYBATCH_MODELS_DIR) or a model folder"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated decode batch sizes")
+    p.add_argument("--contexts", default="128,256,512,1024", help="comma-separated context lengths")
+    p.add_argument("--chunks", default="16,32,64,128,256,512", help="comma-separated prefill chunk sizes")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    p.add_argument(
+        "--serve", type=int, default=0, help="also serve this many requests with each policy (0: the curve only)"
+    )
+    p.add_argument("--serve-rps", type=float, default=2.0, help="their Poisson arrival rate")
+    p.add_argument("--serve-batch", type=int, default=16, help="slots of the serving engines")
+    p.add_argument("--json", default=None, help="write the curve here")
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--rps", type=float, required=True)

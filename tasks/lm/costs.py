@@ -1,0 +1,91 @@
+"""What steps of an engine cost, measured as they run (moving averages, no constants).
+
+The engine records each decode forward (by batch size), each prefill chunk (by tokens)
+and each whole step; the replica's collector and the gateway's admission ask for the
+expected time of the next step and of a typical request at the present load.
+"""
+
+from __future__ import annotations
+
+import math
+
+ALPHA = 0.2  # weight of the newest sample: about the last ten count
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+def batch_bucket(batch: int) -> int:
+    """Batch sizes are averaged by power of two (1, 2, 4, ... 64)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class StepCosts:
+    """Moving averages of forward times, and of the requests' shape."""
+
+    def __init__(self, prompt_prior: float, completion_prior: float) -> None:
+        self.decode_ms: dict[int, float] = {}  # batch bucket -> ms of one decode forward
+        self.prefill_ms_per_token: float | None = None
+        self.step_ms: float | None = None
+        self.prefill_tokens_per_step: float | None = None
+        # A typical request, until requests show otherwise: tokens to prefill, tokens generated,
+        # and (static) the longest completion of a batch, which the whole batch waits for.
+        self.prompt_tokens = prompt_prior
+        self.completion_tokens = completion_prior
+        self.batch_completion_tokens = completion_prior
+
+    def record_decode(self, batch: int, ms: float) -> None:
+        bucket = batch_bucket(batch)
+        self.decode_ms[bucket] = _ema(self.decode_ms.get(bucket), ms)
+
+    def record_prefill(self, num_tokens: int, ms: float) -> None:
+        if num_tokens > 0:
+            self.prefill_ms_per_token = _ema(self.prefill_ms_per_token, ms / num_tokens)
+
+    def record_step(self, ms: float, num_prefill_tokens: int) -> None:
+        self.step_ms = _ema(self.step_ms, ms)
+        self.prefill_tokens_per_step = _ema(self.prefill_tokens_per_step, num_prefill_tokens)
+
+    def record_request(self, num_prefilled: int, num_generated: int) -> None:
+        self.prompt_tokens = _ema(self.prompt_tokens, num_prefilled)
+        self.completion_tokens = _ema(self.completion_tokens, num_generated)
+
+    def record_batch(self, longest_completion: int) -> None:
+        self.batch_completion_tokens = _ema(self.batch_completion_tokens, longest_completion)
+
+    def decode(self, batch: int) -> float:
+        """Expected ms of a decode forward over `batch` rows: the measured bucket, else a
+        straight line between the nearest measured ones (beyond the largest: proportional,
+        which overestimates, as a decode's cost grows slower than its batch)."""
+        if batch <= 0 or not self.decode_ms:
+            return 0.0
+        bucket = batch_bucket(batch)
+        if bucket in self.decode_ms:
+            return self.decode_ms[bucket]
+        below = [b for b in self.decode_ms if b < bucket]
+        above = [b for b in self.decode_ms if b > bucket]
+        if below and above:
+            lo, hi = max(below), min(above)
+            share = (bucket - lo) / (hi - lo)
+            return self.decode_ms[lo] + share * (self.decode_ms[hi] - self.decode_ms[lo])
+        if below:
+            lo = max(below)
+            return self.decode_ms[lo] * bucket / lo
+        return self.decode_ms[min(above)]
+
+    def prefill(self, num_tokens: float) -> float:
+        return (self.prefill_ms_per_token or 0.0) * num_tokens
+
+    def step(self, num_decodes: int, num_prefill_tokens: float) -> float:
+        return self.decode(num_decodes) + self.prefill(num_prefill_tokens)
+
+    def request(self, load: int, prefill_chunk: int, static: bool) -> float:
+        """Join to finish of a typical request with `load` requests running beside it (itself
+        included): its prefill steps, then one step per generated token; every step carries
+        the decodes of the others and their share of prefill."""
+        others_prefill = self.prefill_tokens_per_step or 0.0
+        decode_step = self.step(load, others_prefill)
+        prefill_steps = math.ceil(self.prompt_tokens / prefill_chunk)
+        completion = self.batch_completion_tokens if static else self.completion_tokens
+        return prefill_steps * decode_step + self.prefill(self.prompt_tokens) + completion * decode_step
