@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from control.protocol import Job
-from control.settings import Settings
+from control.settings import Policy, Settings
 
 SIMULATED = "fixed (simulated accelerator)"
 
@@ -317,7 +317,7 @@ def monotonic_ms() -> float:
     return time.monotonic() * 1000.0
 
 
-def make_engine(settings: Settings, model: str, backend: str, policy: str) -> Engine:
+def make_engine(settings: Settings, model: str, backend: str, policy: Policy) -> Engine:
     """The engine a replica of `model` runs (torch is imported only for the hf backend)."""
     if backend == "fixed":
         return FixedLatencyEngine(

@@ -17,6 +17,7 @@ import redis
 import requests
 
 from tests.conftest import MODEL, Deployment, deployment, until
+from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
 
 BUDGET = {"X-Deadline-Ms": "2000"}
 
@@ -45,8 +46,17 @@ def _replica_for(kb: Deployment, pid: int) -> str:
     raise AssertionError(f"no replica with pid {pid}")
 
 
-def test_a_replica_killed_mid_batch_loses_no_request() -> None:
-    with deployment(workers=2) as kb:
+def _backend(request: pytest.FixtureRequest, backend: str) -> dict[str, str]:
+    """Deployment arguments for the fixed backend, or the torch engine on a quick-built model."""
+    if backend == "fixed":
+        return {}
+    folder = request.getfixturevalue("quick_model")
+    return {"backend": "hf", "policy": "continuous", "models_dir": str(folder.parent)}
+
+
+@pytest.mark.parametrize("backend", ["fixed", "hf"])
+def test_a_replica_killed_mid_batch_loses_no_request(request: pytest.FixtureRequest, backend: str) -> None:
+    with deployment(workers=2, **_backend(request, backend)) as kb:
         victim = kb.system.workers[0]
         name = _replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
@@ -59,8 +69,11 @@ def test_a_replica_killed_mid_batch_loses_no_request() -> None:
         assert f"kb:held:{name}" not in _held(kb)  # swept
 
 
-def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None:
-    with deployment(workers=2) as kb:
+@pytest.mark.parametrize("backend", ["fixed", "hf"])
+def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    with deployment(workers=2, **_backend(request, backend)) as kb:
         victim = kb.system.workers[0]
         name = _replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
