@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -485,6 +486,10 @@ def run_peer(settings: Settings, args: argparse.Namespace) -> int:
         "workload": {"name": "mixed", "requests": args.requests, "seed": args.seed},
         "p99_target_ms": args.p99_ms,
         "client_timeout_s": args.timeout_s,
+        "versions": {name: _version(name) for name in ("transformers", "torch", "fastapi", "uvicorn")},
+        "keybatch_settings": settings.model_dump(
+            include={"max_batch", "token_budget", "prefill_chunk", "prefix_cache_tokens", "engine_threads"}
+        ),
     }
     with _sigterm_exits():
         if "peer" in servers:
@@ -498,6 +503,13 @@ def run_peer(settings: Settings, args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
     return 0
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _model_folder(settings: Settings, args: argparse.Namespace) -> str | None:
