@@ -429,14 +429,7 @@ def _measure_peer(folder: str, threads: int, args: argparse.Namespace, bodies: l
         log_path = logs / ("serve-cb.log" if continuous else "serve.log")
         print(f"\n== peer ({server.mode}): {server.shown()}\n   log: {log_path}", flush=True)
         try:
-            with _peer_process(server, log_path) as proc:
-                started = {"ready_s": round(_wait_ready(server, proc, args.start_timeout_s), 1)}
-                warm = {**bodies[0], "model": folder, "max_tokens": 4}
-                started["first_answer_s"] = round(_first_answer(server.url, warm, args.start_timeout_s), 1)
-                generate(LoadSpec(server.url, 2.0, 3.0, folder, bodies=bodies, timeout_s=60), show_progress=False)
-                result = _measure(_peer_target(server, args), args, bodies)
-                if proc.poll() is not None:
-                    result["exited"] = {"code": proc.returncode, "log_tail": _log_tail(log_path)}
+            measured = _serve_and_measure(server, log_path, args, bodies)
         except PeerFailed as exc:
             error = f"{exc}; its log ends: {_log_tail(log_path, 1)}"
             failures.append(
@@ -444,15 +437,21 @@ def _measure_peer(folder: str, threads: int, args: argparse.Namespace, bodies: l
             )
             print(f"   the peer failed: {exc}\n{_log_tail(log_path, 12)}", file=sys.stderr, flush=True)
             continue
-        return {
-            "mode": server.mode,
-            "command": server.shown(),
-            "log": str(log_path),
-            **started,
-            **result,
-            "failures": failures,
-        }
+        return {"mode": server.mode, "command": server.shown(), "log": str(log_path), **measured, "failures": failures}
     return {"mode": None, "sustainable_rps": None, "failures": failures}
+
+
+def _serve_and_measure(server: PeerServer, log_path: Path, args: argparse.Namespace, bodies: list[dict]) -> dict:
+    """Start, wait until it answers, warm it, measure; the process group is gone on return."""
+    with _peer_process(server, log_path) as proc:
+        started = {"ready_s": round(_wait_ready(server, proc, args.start_timeout_s), 1)}
+        warm = {**bodies[0], "model": server.folder, "max_tokens": 4}
+        started["first_answer_s"] = round(_first_answer(server.url, warm, args.start_timeout_s), 1)
+        generate(LoadSpec(server.url, 2.0, 3.0, server.folder, bodies=bodies, timeout_s=60), show_progress=False)
+        result = _measure(_peer_target(server, args), args, bodies)
+        if proc.poll() is not None:  # it died under the load: the figures after that are of a dead server
+            result["exited"] = {"code": proc.returncode, "log_tail": _log_tail(log_path)}
+    return {**started, **result}
 
 
 def _measure_keybatch(folder: str, args: argparse.Namespace, bodies: list[dict]) -> dict:
