@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_chaos_args(sub.add_parser("chaos", help="inject one fault into a live deployment under load and report"))
 
+    from control.cliargs import add_model_args
+
+    add_model_args(sub.add_parser("model", help="build the local code models, or measure their quality"))
+
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
     return top
@@ -158,6 +162,12 @@ def _chaos(settings: Settings, args: argparse.Namespace) -> int:
     return run_chaos(settings, args)
 
 
+def _model(settings: Settings, args: argparse.Namespace) -> int:
+    from control.models import run_model
+
+    return run_model(settings, args)
+
+
 COMMANDS = {
     "up": _up,
     "api": _api,
@@ -166,4 +176,5 @@ COMMANDS = {
     "load": _load,
     "flower": _flower,
     "chaos": _chaos,
+    "model": _model,
 }

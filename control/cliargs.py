@@ -154,3 +154,16 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
         help="a client whose connection breaks resends with the same X-Request-Id (joins the request)",
     )
     p.add_argument("--json", default=None, help="write the report here")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="model_command", required=True)
+    build = sub.add_parser("build", help="train a model (tokenizer, weights) into MODELS_DIR")
+    build.add_argument("--name", default=None, help="NAME-small or NAME-large (default: every configured model)")
+    build.add_argument("--steps", type=int, default=None, help="training steps (default: the size's, a few minutes)")
+    build.add_argument("--seed", type=int, default=0)
+    quality = sub.add_parser("eval", help="next-line quality on held-out code, next to the untrained model")
+    quality.add_argument("--name", default=None, help="a built model (default: every configured model)")
+    quality.add_argument("-n", type=int, default=200, help="prompts")
+    quality.add_argument("--seed", type=int, default=0, help="which prompts")
+    quality.add_argument("--json", default=None, help="write the figures here")

@@ -1,16 +1,103 @@
-"""Which model folders `keybatch up` can serve, and building the small one on first run.
+"""The local code models: `keybatch model build` and `keybatch model eval` (made and
+measured), and which model folders `keybatch up` can serve.
 
-The build runs as a child process (`keybatch model build`), so the supervisor never
-imports torch. Only the small model is built unasked: it takes a few minutes on two
-cores; the large one is left to `keybatch model build --name kb-large`.
+Torch is imported inside the commands only, so the CLI starts without it. `keybatch up`
+builds a missing small model in a child process (`keybatch model build`), so the
+supervisor never imports torch; only the small one is built unasked (a few minutes on two
+cores), the large one is left to `keybatch model build --name kb-large`.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
 
 from control.settings import Settings
+
+
+def run_model(settings: Settings, args: argparse.Namespace) -> int:
+    if args.model_command == "build":
+        return build_models(settings, args)
+    return eval_models(settings, args)
+
+
+def build_models(settings: Settings, args: argparse.Namespace) -> int:
+    """Build the named model, or every configured one (kb-small and kb-large), into MODELS_DIR."""
+    from tasks.lm.build import BuildError, build, size_of
+
+    names = [args.name] if args.name else list(settings.models)
+    console = Console()
+    try:
+        for name in names:
+            size_of(name)  # refuse a bad name before any work
+    except BuildError as exc:
+        print(f"keybatch model build: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    for name in names:
+        console.print(f"[bold]{name}[/] -> {settings.models_dir / name}")
+        folder = build(settings.models_dir, name, steps=args.steps, seed=args.seed)
+        facts = json.loads((folder / "keybatch.json").read_text())
+        console.print(
+            f"  {facts['params'] / 1e6:.2f} M params, {facts['steps']} steps, {facts['tokens_seen']:,} tokens,"
+            f" trained in {facts['train_s']:.0f} s (built in {facts['build_s']:.0f} s),"
+            f" final loss {facts['final_loss']:.3f}, held-out loss {facts['held_out_loss']:.3f}"
+        )
+    console.print(f"done in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def eval_models(settings: Settings, args: argparse.Namespace) -> int:
+    """Score the named model, or every configured one, against its untrained twin."""
+    from tasks.lm.quality import evaluate
+
+    names = [args.name] if args.name else list(settings.models)
+    missing = [name for name in names if not (settings.models_dir / name / "keybatch.json").exists()]
+    if missing:
+        where = settings.models_dir
+        print(f"no built model {', '.join(missing)} in {where}: run `keybatch model build`", file=sys.stderr)
+        return 2
+    results = [evaluate(settings.models_dir / name, n=args.n, seed=args.seed) for name in names]
+    Console().print(quality_table(results))
+    if args.json:
+        report = {
+            "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+            "command": "keybatch " + " ".join(sys.argv[1:]),
+            "results": results,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def quality_table(results: list[dict]) -> Table:
+    """One row per model and per untrained twin."""
+    n = results[0]["n"] if results else 0
+    table = Table(title=f"next-line completion on {n} held-out prompts (greedy, first line)")
+    for column in ("model", "params", "exact match", "exact, outside codec tables", "parses", "empty"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for result in results:
+        for kind in ("trained", "untrained"):
+            scores = result[kind]
+            table.add_row(
+                result["model"] if kind == "trained" else "  untrained twin",
+                f"{result['params'] / 1e6:.1f} M",
+                f"{scores['exact_match']:.1%}",
+                f"{scores['exact_match_outside_codec_tables']:.1%}",
+                f"{scores['parses']:.1%}",
+                f"{scores['empty']:.1%}",
+            )
+    if results:
+        table.caption = f"the true next lines parse {results[0]['reference']['parses']:.1%} of the time"
+    return table
+
 
 AUTO_BUILD_SUFFIX = "-small"
 
