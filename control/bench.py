@@ -11,8 +11,9 @@ import argparse
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from control.loadgen import LoadSpec, generate, print_summary, summarize
@@ -196,7 +197,16 @@ def _hf_deployment(workers: int, policy: str, model: str, **env: str) -> Iterato
         os.environ.update(saved)
 
 
-def _run(url: str, args: argparse.Namespace, bodies: list[dict], rps: float, title: str, stream: bool = False) -> dict:
+def _run(
+    url: str,
+    args: argparse.Namespace,
+    bodies: list[dict],
+    rps: float,
+    title: str,
+    stream: bool = False,
+    **spec_fields: Any,
+) -> dict:
+    """`spec_fields` replace the load's defaults (another server takes another model name, no key)."""
     spec = LoadSpec(
         url,
         rps,
@@ -208,18 +218,30 @@ def _run(url: str, args: argparse.Namespace, bodies: list[dict], rps: float, tit
         stream=stream,
         seed=args.seed,
     )
-    summary = summarize(generate(spec))
+    summary = summarize(generate(replace(spec, **spec_fields)))
     print_summary(title, summary)
     return summary
 
 
-def _ladder(url: str, args: argparse.Namespace, bodies: list[dict], policy: str) -> dict:
-    """Rates growing by `--step` from `--start-rate` until a rate misses the target twice in a row."""
-    points, best, misses, rps = [], None, 0, args.start_rate
+def _ladder(
+    url: str,
+    args: argparse.Namespace,
+    bodies: list[dict],
+    policy: str,
+    settle: Callable[[], dict] | None = None,
+    **spec_fields: Any,
+) -> dict:
+    """Rates growing by `--step` from `--start-rate` until a rate misses the target twice in a row.
+    `settle`, if given, runs before each rate after the first (a server still working off the
+    last rate would count against the next) and what it returns is kept with the rate."""
+    points: list[dict] = []
+    best, misses, rps = None, 0, args.start_rate
     while misses < 2 and rps <= args.max_rate:
-        a = _run(url, args, bodies, rps, f"{policy}: {rps:.2f} req/s for {args.duration:.0f} s")["all"]
+        settled = settle() if settle is not None and points else {}
+        title = f"{policy}: {rps:.2f} req/s for {args.duration:.0f} s"
+        a = _run(url, args, bodies, rps, title, **spec_fields)["all"]
         ok = a["ok_share"] >= 0.99 and a["p99_ms"] <= args.p99_ms
-        points.append({"rps": rps, "ok": ok, **a})
+        points.append({"rps": rps, "ok": ok, **a, **settled})
         best, misses = (rps, 0) if ok else (best, misses + 1)
         rps *= args.step
     return {"sustainable_rps": best, "points": points}

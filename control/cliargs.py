@@ -41,6 +41,50 @@ def add_policies_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write all figures here")
 
 
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "keybatch against `transformers serve --continuous-batching` on the same model folder and the same "
+        "open-loop workload: each one's sustainable rate, then a burst at twice it and how long until a probe "
+        "is served normally again. The peer needs `pip install -e .[peer]`."
+    )
+    p.add_argument("--model", default="kb-small", help="keybatch's name for the model")
+    p.add_argument("--model-path", default=None, help="the model folder both serve (default: the model's folder)")
+    p.add_argument("--servers", default="peer,keybatch", help="comma-separated: which of peer,keybatch to measure")
+    p.add_argument("--workers", type=int, default=1, help="keybatch replicas; the peer gets as many torch threads")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per rate of the ladder")
+    p.add_argument("--start-rate", type=float, default=1.0)
+    p.add_argument("--step", type=float, default=1.5, help="each rate of the ladder is this times the last")
+    p.add_argument("--max-rate", type=float, default=200.0)
+    p.add_argument("--p99-ms", type=float, default=1000.0, help="the latency target a sustainable rate meets")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="a ladder client gives up after this")
+    p.add_argument("--deadline-ms", type=float, default=10_000.0, help="keybatch's X-Deadline-Ms on the ladder")
+    p.add_argument("--requests", type=int, default=400, help="distinct request bodies, sent in turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burst-factor", type=float, default=2.0, help="the burst's rate over the sustainable rate")
+    p.add_argument("--burst-s", type=float, default=20.0)
+    p.add_argument("--burst-deadline-ms", type=float, default=2000.0, help="keybatch's X-Deadline-Ms in the burst")
+    p.add_argument("--margin-ms", type=float, default=250.0, help="an answer this late past its deadline is in time")
+    p.add_argument("--probe-rps", type=float, default=1.0)
+    p.add_argument("--probe-tokens", type=int, default=8, help="max_tokens of a probe (the shortest prompt)")
+    p.add_argument("--idle-probes", type=int, default=10, help="probes of the idle server that set what is normal")
+    p.add_argument("--recovery-factor", type=float, default=1.5, help="normal: probe p50 within this x idle p50")
+    p.add_argument("--recovery-s", type=float, default=120.0, help="probe at most this long after the burst")
+    p.add_argument("--hold-probes", type=int, default=5, help="normal probes after the burst that end the probe")
+    p.add_argument("--settle-s", type=float, default=60.0, help="at most this long to settle between runs")
+    p.add_argument("--peer-memory", type=float, default=0.2, help="the peer's --cb-max-memory-percent")
+    p.add_argument(
+        "--no-peer-cb", dest="peer_cb", action="store_false", help="start the peer without continuous batching"
+    )
+    p.add_argument(
+        "--peer-arg",
+        action="append",
+        default=[],
+        help="one more argument to transformers serve, e.g. --peer-arg=--cb-max-batch-tokens=512 (repeatable)",
+    )
+    p.add_argument("--start-timeout-s", type=float, default=300.0, help="to load the model and answer once")
+    p.add_argument("--json", default=None, help="write all figures here")
+
+
 def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="kb-small", help="a configured model name (under KEYBATCH_MODELS_DIR) or a model folder"

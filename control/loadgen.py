@@ -150,11 +150,12 @@ async def _one(client: Client, spec: LoadSpec, t0: float, sent_s: float, tier: s
         completion = orjson.loads(answer.body)
     if answer.status == 200:
         assert completion is not None  # each 200 above set it
-        kb = completion["keybatch"]
         rec.completion_tokens = completion.get("usage", {}).get("completion_tokens", 0)
-        rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
-        rec.server_ms = kb["total_ms"]
         rec.answer_id = completion.get("id", "")
+        kb = completion.get("keybatch")  # another server (a peer under benchmark) has no timings
+        if kb is not None:
+            rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
+            rec.server_ms = kb["total_ms"]
     return rec
 
 
