@@ -92,7 +92,7 @@ def test_a_replica_killed_mid_batch_loses_no_request(request: pytest.FixtureRequ
         assert f"kb:held:{name}" not in _held(kb)  # swept
 
 
-@pytest.mark.parametrize("backend", ["fixed", "hf"])
+@pytest.mark.parametrize("backend", ["fixed"])
 def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere(
     request: pytest.FixtureRequest, backend: str
 ) -> None:

@@ -340,7 +340,10 @@ def test_run_batch_over_the_engine(model_dir: Path, reference: HFEngine, policy:
     for job, out in zip(jobs[:3], outputs, strict=False):
         text, num_tokens = generate_text(reference, job)
         assert (out.text, out.completion_tokens) == (text, num_tokens)
-        assert control.streamed.get(job.id, "") == text
+        # What streamed while the request ran starts its text; the rest comes with the answer.
+        assert text.startswith(control.streamed.get(job.id, ""))
+    if policy == "continuous":
+        assert any(control.streamed.values())  # text did stream before the answers
     assert (outputs[3].finish_reason, outputs[3].http_status) == ("error", 413)
     assert control.renewals > 0
     assert not engine.has_unfinished()
