@@ -66,7 +66,7 @@ class Settings(BaseSettings):
         512, ge=1, description="hf continuous: tokens one step computes (decodes first, then prefill chunks)"
     )
     prefill_chunk: int = Field(256, ge=1, description="hf: the most prompt tokens of one request a step prefills")
-    prefix_cache_tokens: int = Field(32_768, ge=0, description="hf: KV of shared prompt prefixes kept for reuse")
+    prefix_cache_tokens: int = Field(16_384, ge=0, description="hf: KV of shared prompt prefixes kept for reuse")
     engine_threads: int = Field(1, ge=1, description="hf: torch threads per replica")
     max_wait_ms: float = Field(20.0, ge=0, description="cap on how long a free replica waits to fill")
     paid_boost_ms: float = Field(
