@@ -3,8 +3,6 @@ running the torch engine on a quick-built model, answers back over HTTP."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 import requests
 
 from tasks.lm.fim import format_prompt
-from tests.conftest import FREE_KEY, MODEL, Deployment, deployment
+from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
 from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -96,19 +94,22 @@ def test_stop_sequences_and_max_tokens_are_honoured(hf: Deployment) -> None:
     assert one["usage"]["completion_tokens"] == 1 and one["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_cancel_mid_generation_ends_the_request_and_frees_its_slot(hf: Deployment) -> None:
-    result: dict[str, requests.Response] = {}
-    long = threading.Thread(
-        target=lambda: result.setdefault(
-            "long", hf.post({"model": MODEL, "prompt": PROMPT, "max_tokens": 256}, **{"X-Request-Id": "long-1"})
-        )
-    )
-    long.start()
-    time.sleep(0.3)  # it is generating
-    cancel = requests.delete(
-        f"{hf.url}/v1/completions/long-1", headers={"Authorization": f"Bearer {FREE_KEY}"}, timeout=5
-    )
-    long.join(10)
+def test_a_cancel_mid_generation_ends_the_request_and_the_engine_drops_it(hf: Deployment) -> None:
+    auth = {"Authorization": f"Bearer {FREE_KEY}"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 256, "stream": True}
+    aborted_before = _engine_counter(hf, "aborted")
+    headers = {**auth, **BUDGET, "X-Request-Id": "long-1"}
+    with requests.post(f"{hf.url}/v1/completions", json=body, headers=headers, stream=True, timeout=30) as resp:
+        events = (line for line in resp.iter_lines() if line.startswith(b"data: "))
+        next(events)  # text came: it is generating
+        cancel = requests.delete(f"{hf.url}/v1/completions/long-1", headers=auth, timeout=5)
+        rest = list(events)
     assert cancel.status_code == 200
-    assert result["long"].status_code == 409
+    assert b'"code": "cancelled"' in rest[-2] and rest[-1] == b"data: [DONE]"
+    # The engine dropped it (an abort, not a run to 256 tokens): the replica's counters say so.
+    assert until(lambda: _engine_counter(hf, "aborted") > aborted_before, 5)
     assert _complete(hf, max_tokens=4).status_code == 200
+
+
+def _engine_counter(d: Deployment, name: str) -> float:
+    return sum(float(h.get(f"engine_{name}".encode(), 0)) for h in _fleet(d))
