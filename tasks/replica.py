@@ -378,16 +378,9 @@ class Replica:
         # One round trip: cancels for the whole buffer, and paid requests still in
         # the queue that would otherwise ride behind free ones already buffered.
         reasons, late_paid = self._cancels_and_paid(ids, room)
-        dropped: dict[str, list[Pending]] = defaultdict(list)
         with self._cond:
-            for job, raw in late_paid:
-                pending = self._pending(job)
-                pending.payload.message = raw
-                self.collector.add(pending)
-            for pending in self.collector.remove(set(reasons)):
-                dropped[reasons[pending.id]].append(pending)
             now = self.clock.now_ms()
-            dropped["expired"].extend(self.collector.pop_expired(now))
+            dropped = self._sort_buffer(late_paid, reasons, now)
             due = self.collector.wait_ms(now) == 0 or self._stopping
             batch = self.collector.pop_batch() if due else []
             if batch:
@@ -399,6 +392,21 @@ class Replica:
             launched = {pending.id for pending in batch}
             self._hold([job for job, _raw in late_paid if job.id not in launched])
         return batch, {reason: group for reason, group in dropped.items() if group}
+
+    def _sort_buffer(
+        self, late_paid: list[tuple[p.Job, str]], reasons: dict[str, str], now_ms: float
+    ) -> dict[str, list[Pending]]:
+        """Under the lock: paid requests taken late join the buffer; cancelled and expired
+        ones leave it (returned by reason)."""
+        dropped: dict[str, list[Pending]] = defaultdict(list)
+        for job, raw in late_paid:
+            pending = self._pending(job)
+            pending.payload.message = raw
+            self.collector.add(pending)
+        for pending in self.collector.remove(set(reasons)):
+            dropped[reasons[pending.id]].append(pending)
+        dropped["expired"].extend(self.collector.pop_expired(now_ms))
+        return dropped
 
     def _settle(self, batch: list[Pending], dropped: dict[str, list[Pending]]) -> list[Pending]:
         """Tell the waiting-room and the gateways which requests left the buffer, and
@@ -617,15 +625,8 @@ class Replica:
         reasons, late_paid = self._cancels_and_paid(ids + running, room)
         now = self.clock.now_ms()
         self._abort_running(reasons, now)
-        dropped: dict[str, list[Pending]] = defaultdict(list)
         with self._cond:
-            for job, raw in late_paid:
-                pending = self._pending(job)
-                pending.payload.message = raw
-                self.collector.add(pending)
-            for pending in self.collector.remove(set(reasons)):
-                dropped[reasons[pending.id]].append(pending)
-            dropped["expired"].extend(self.collector.pop_expired(now))
+            dropped = self._sort_buffer(late_paid, reasons, now)
             batch = self.collector.pop_batch(limit=self.engine.free_slots())
             if batch:
                 self.busy = True
