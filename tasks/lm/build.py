@@ -54,8 +54,8 @@ class ModelSize:
 
 
 SIZES = {
-    "small": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, steps=600, lr=3e-3),
-    "large": ModelSize(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024, steps=600, lr=2e-3),
+    "small": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, steps=500, lr=3e-3),
+    "large": ModelSize(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024, steps=500, lr=2e-3),
 }
 
 
