@@ -80,22 +80,25 @@ def eval_models(settings: Settings, args: argparse.Namespace) -> int:
 def quality_table(results: list[dict]) -> Table:
     """One row per model and per untrained twin."""
     n = results[0]["n"] if results else 0
-    table = Table(title=f"next-line completion on {n} held-out prompts (greedy, first line)")
-    for column in ("model", "params", "exact match", "exact, outside codec tables", "parses", "empty"):
+    table = Table(title=f"next-line completion on {n} held-out prompts (greedy, up to the first newline)")
+    columns = ("model", "params", "held-out loss", "exact match", "exact, outside codec tables", "valid", "line ended")
+    for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")
     for result in results:
         for kind in ("trained", "untrained"):
             scores = result[kind]
+            loss = result["build"]["held_out_loss"] if kind == "trained" else None
             table.add_row(
                 result["model"] if kind == "trained" else "  untrained twin",
                 f"{result['params'] / 1e6:.1f} M",
+                f"{loss:.2f}" if loss is not None else "",
                 f"{scores['exact_match']:.1%}",
                 f"{scores['exact_match_outside_codec_tables']:.1%}",
-                f"{scores['parses']:.1%}",
-                f"{scores['empty']:.1%}",
+                f"{scores['valid']:.1%}",
+                f"{scores['ended']:.1%}",
             )
     if results:
-        table.caption = f"the true next lines parse {results[0]['reference']['parses']:.1%} of the time"
+        table.caption = f"valid: the true next lines score {results[0]['reference']['valid']:.1%} (docs/models.md)"
     return table
 
 

@@ -21,7 +21,8 @@ def test_prompts_end_at_a_line_end_and_their_next_line_follows_in_a_held_out_fil
     for cut in cuts:
         assert 300 <= len(cut.prompt) <= 1500
         assert cut.prompt.endswith("\n") and cut.next_line.strip() and "\n" not in cut.next_line
-        assert cut.prompt + cut.next_line in held[cut.path]
+        text = held[cut.path]
+        assert text[: cut.cursor].endswith(cut.prompt) and text[cut.cursor :].startswith(cut.next_line)
     assert corpus.prompt_samples(40, seed=3) == [(c.prompt, c.next_line) for c in cuts]
     assert corpus.prompt_samples(40, seed=4) != corpus.prompt_samples(40, seed=3)
 

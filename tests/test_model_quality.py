@@ -1,4 +1,4 @@
-"""The quality measure: its syntax check, and a run over a quick model."""
+"""The quality measure: its validity check, and a run over a quick model."""
 
 from __future__ import annotations
 
@@ -6,40 +6,62 @@ from pathlib import Path
 
 import pytest
 
-from tasks.lm.quality import evaluate, parses
+from tasks.lm.quality import Line, evaluate, is_valid
 from tests.lm_fixtures import quick_model  # noqa: F401
+
+BEFORE = """import os
+
+
+class Walker:
+    def walk(self, top):
+        for name in os.listdir(top):
+            print(name)
+"""
 
 
 @pytest.mark.parametrize(
     "line",
     [
-        "return x",
-        "        yield item",
-        "def f(x):",
-        "foo(a,",
-        '"""A docstring that goes on',
-        "else:",
-        "elif x > 1:",
-        "except ValueError as exc:",
-        "finally:",
-        "case [x, y]:",
-        "@decorator",
-        "import os  # why",
+        "            yield name",
+        "            if name.startswith(",  # an open bracket: later lines close it
+        "            try:",  # a block header: later lines give its body
+        '            """A docstring that goes on',
+        "        return None",  # out of the loop
+        "        else:",  # the loop's else
+        "def main():",  # out of the class
+        "            # a comment",
     ],
 )
-def test_lines_that_parse(line: str) -> None:
-    assert parses(line)
+def test_lines_that_keep_the_code_valid(line: str) -> None:
+    assert is_valid(BEFORE, Line(line, ended=True))
 
 
-@pytest.mark.parametrize("line", ["", "   ", ")", "x = = 1", "some prose words here", "def", "'abc", "print 'hi'"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "            ",
+        "                yield name",  # indented deeper than the block
+        "        return None)",
+        "            )",
+        "            x = = 1",
+        "            some prose words",
+        "    else:",  # no `if` to continue
+    ],
+)
 def test_lines_that_do_not(line: str) -> None:
-    assert not parses(line)
+    assert not is_valid(BEFORE, Line(line, ended=True))
+
+
+def test_a_line_the_model_did_not_end_does_not_count() -> None:
+    assert is_valid(BEFORE, Line("            name", ended=True))
+    assert not is_valid(BEFORE, Line("            name", ended=False))
 
 
 def test_an_evaluation_scores_the_model_and_its_untrained_twin(quick_model: Path) -> None:  # noqa: F811
     result = evaluate(quick_model, n=6, seed=0)
     assert result["n"] == 6 and result["model"] == "kb-small"
     for kind in ("trained", "untrained"):
-        assert set(result[kind]) == {"exact_match", "exact_match_outside_codec_tables", "parses", "empty"}
+        assert set(result[kind]) == {"exact_match", "exact_match_outside_codec_tables", "valid", "ended", "blank"}
         assert all(0.0 <= v <= 1.0 for v in result[kind].values())
-    assert 0.0 < result["reference"]["parses"] <= 1.0
+    assert result["reference"]["valid"] == 1.0

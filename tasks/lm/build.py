@@ -34,7 +34,7 @@ from tasks.lm.fim import END_OF_TEXT, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, PAD, S
 VOCAB_SIZE = 4096
 CONTEXT = 1024  # max_position_embeddings: prompts up to ~3,000 characters
 SEQ_LEN = 512  # training sequences: the quality prompts (<= 1,500 characters) fit in one
-BATCH = 4  # sequences per step: at this few tokens, more updates beat larger batches (docs/models.md)
+BATCH = 2  # sequences per step: at this few tokens, more updates beat larger batches (docs/models.md)
 CHUNK_CHARS = 1500  # files are cut into pieces of whole lines this long; each piece is FIM or not
 FIM_RATE = 0.5
 SHUFFLE_POOL = 512  # sequences (~1 MB of text); consecutive sequences come from one file
@@ -54,8 +54,8 @@ class ModelSize:
 
 
 SIZES = {
-    "small": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, steps=340, lr=3e-3),
-    "large": ModelSize(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024, steps=360, lr=2e-3),
+    "small": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, steps=500, lr=3e-3),
+    "large": ModelSize(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024, steps=500, lr=2e-3),
 }
 
 

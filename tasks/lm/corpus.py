@@ -113,6 +113,7 @@ def _line_starts(text: str) -> list[int]:
 @dataclass(frozen=True)
 class PromptCut:
     path: str  # the held-out file it was cut from
+    cursor: int  # where the prompt ends in that file's text
     prompt: str
     next_line: str
 
@@ -142,7 +143,7 @@ def prompt_cuts(n: int, seed: int, min_chars: int = 300, max_chars: int = 1500) 
     return cuts
 
 
-def _cut_prompt(text: str, rng: random.Random, min_chars: int, max_chars: int) -> tuple[str, str] | None:
+def _cut_prompt(text: str, rng: random.Random, min_chars: int, max_chars: int) -> tuple[int, str, str] | None:
     starts = _line_starts(text)
     end_index = rng.randrange(1, len(starts))  # the prompt ends where line `end_index` starts
     end = starts[end_index]
@@ -150,7 +151,7 @@ def _cut_prompt(text: str, rng: random.Random, min_chars: int, max_chars: int) -
     next_line = text[end:].split("\n", 1)[0]
     if not fitting or not next_line.strip():
         return None
-    return text[rng.choice(fitting) : end], next_line
+    return end, text[rng.choice(fitting) : end], next_line
 
 
 def fim_samples(n: int, seed: int, max_context_chars: int = 1500) -> list[FimSample]:

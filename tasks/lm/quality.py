@@ -1,19 +1,18 @@
 """How good a built model is on code it never trained on, next to the same model untrained.
 
 Prompts are cut from the held-out standard-library files (`corpus.prompt_cuts`): 300 to
-1,500 characters ending at a line end. For each the model greedily writes up to
-GEN_TOKENS tokens, stopping at the first newline, and its first line is scored:
+1,500 characters ending at a line end. For each, the model greedily writes up to
+GEN_TOKENS tokens, stopping at the first newline, and that line is scored:
 
 - exact match: the line, stripped, equals the file's true next line, stripped;
-- parses: the line, its indentation removed, is Python that the parser accepts as a
-  line of code: a complete statement, or the start of one that more lines could
-  complete (an open bracket, a block header ending in `:`, an open triple-quoted
-  string), checked as `codeop` checks interactive input but with only the parser's
-  rules, so `return x` or `yield` count as they would inside the function the prompt
-  is in. A clause that continues a compound statement (`else:`, `elif`, `except`,
-  `finally`, `case`) is checked after a minimal statement it can follow. An empty line
-  does not count. The true next lines get the same check (`reference`), which is the
-  ceiling: a line inside a docstring or a multi-line call fails it wherever it comes from.
+- valid: the model ended the line (a newline or end-of-text within GEN_TOKENS tokens),
+  the line is not blank, and the file's text up to the cursor followed by the line, as
+  written (indentation included), is still valid Python as far as it goes: it parses,
+  or the parser's only complaint is that the input is incomplete (an open bracket, a
+  block header waiting for its body, an open triple-quoted string). This is `codeop`'s
+  test for interactive input with the parser's rules only, so a line the file's later
+  lines would complete counts. The true next lines pass it every time (`reference`), so
+  100% is the ceiling; a random model, which rarely ends a line, scores near 0.
 
 The untrained model has the trained one's config and the random weights its build
 started from (same seed). Generation is plain `model.generate` (greedy, batched with left
@@ -28,6 +27,7 @@ import json
 import time
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,16 +39,15 @@ GEN_TOKENS = 48
 BATCH = 16
 NUM_THREADS = 2
 CODEC_TABLES = "encodings/"  # generated charmap tables: a fifth of the held-out text, easy to predict
-# The parser alone (an AST, no compile step), and codeop's flags that make incomplete input an error
-# that says so: codeop's own check compiles, which rejects `return` outside a function.
+# The parser alone (an AST, no compile step), with the flags that make codeop's incomplete input an error
+# that says so (codeop itself compiles, which would also reject a `return` outside a function).
 _PARSE_FLAGS = ast.PyCF_ONLY_AST | codeop.PyCF_ALLOW_INCOMPLETE_INPUT | codeop.PyCF_DONT_IMPLY_DEDENT  # type: ignore[attr-defined]  # codeop's flags, not in typeshed
-_CLAUSE_OPENERS = {
-    "else": "if x:\n    pass\n",
-    "elif": "if x:\n    pass\n",
-    "except": "try:\n    pass\n",
-    "finally": "try:\n    pass\n",
-    "case": "match x:\n    ",
-}
+
+
+@dataclass(frozen=True)
+class Line:
+    text: str  # the completion up to its first newline
+    ended: bool  # the model wrote a newline or end-of-text within GEN_TOKENS tokens
 
 
 def evaluate(folder: Path, n: int = 200, seed: int = 0) -> dict[str, object]:
@@ -65,13 +64,13 @@ def evaluate(folder: Path, n: int = 200, seed: int = 0) -> dict[str, object]:
     result: dict[str, object] = {
         "model": folder.name,
         "params": trained.num_parameters(),
-        "build": {key: facts.get(key) for key in ("steps", "seed", "tokens_seen", "train_s", "final_loss")},
+        "build": {key: facts.get(key) for key in ("steps", "seed", "tokens_seen", "train_s", "held_out_loss")},
         "n": n,
         "seed": seed,
         "prompts_from_codec_tables": sum(cut.path.startswith(CODEC_TABLES) for cut in cuts),
-        "trained": score(first_lines(trained, tokenizer, prompts), cuts),
-        "untrained": score(first_lines(untrained, tokenizer, prompts), cuts),
-        "reference": {"parses": _share(parses(cut.next_line) for cut in cuts)},
+        "trained": score(complete_lines(trained, tokenizer, prompts), cuts),
+        "untrained": score(complete_lines(untrained, tokenizer, prompts), cuts),
+        "reference": {"valid": score([Line(cut.next_line, True) for cut in cuts], cuts)["valid"]},
     }
     result["eval_s"] = round(time.perf_counter() - started, 1)
     return result
@@ -83,49 +82,49 @@ def untrained_twin(model: PreTrainedModel, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(model.config).eval()  # type: ignore[arg-type]  # a Llama folder's config is a LlamaConfig
 
 
-def score(lines: list[str], cuts: list[corpus.PromptCut]) -> dict[str, float]:
-    """Exact match (all prompts, and those outside the codec tables), parse rate, empty lines."""
-    exact = [line.strip() == cut.next_line.strip() for line, cut in zip(lines, cuts, strict=True)]
+def score(lines: list[Line], cuts: list[corpus.PromptCut]) -> dict[str, float]:
+    """Exact match (all prompts, and those outside the codec tables), valid, ended, blank."""
+    texts = {f.path: f.text for f in corpus.held_out_files()}
+    exact = [line.text.strip() == cut.next_line.strip() for line, cut in zip(lines, cuts, strict=True)]
     code = [hit for hit, cut in zip(exact, cuts, strict=True) if not cut.path.startswith(CODEC_TABLES)]
     return {
         "exact_match": _share(exact),
         "exact_match_outside_codec_tables": _share(code),
-        "parses": _share(parses(line) for line in lines),
-        "empty": _share(not line.strip() for line in lines),
+        "valid": _share(is_valid(texts[cut.path][: cut.cursor], line) for line, cut in zip(lines, cuts, strict=True)),
+        "ended": _share(line.ended for line in lines),
+        "blank": _share(not line.text.strip() for line in lines),
     }
 
 
-def parses(line: str) -> bool:
-    """Whether `line` is a valid line of Python (the module docstring has the definition)."""
-    source = line.strip()
-    if not source:
-        return False
-    opener = _CLAUSE_OPENERS.get(source.split(maxsplit=1)[0].rstrip(":"), "")
-    return _is_valid_start(opener + source)
+def is_valid(before: str, line: Line) -> bool:
+    """Whether `line`, written after the code `before` (ending at a line end), keeps it valid
+    Python so far (the module docstring has the definition)."""
+    return line.ended and bool(line.text.strip()) and is_valid_start(before + line.text)
 
 
-def _is_valid_start(source: str) -> bool:
+def is_valid_start(source: str) -> bool:
+    """Python that parses, or whose only fault is that it stops before its end."""
     with warnings.catch_warnings():  # a literal the compiler warns about is still valid code
         warnings.simplefilter("ignore")
         try:
-            compile(source, "<line>", "exec", _PARSE_FLAGS, dont_inherit=True)
+            compile(source, "<completion>", "exec", _PARSE_FLAGS, dont_inherit=True)
             return True
         except SyntaxError:
             pass
         try:  # as codeop does: complete with one more newline, or incomplete input
-            compile(source + "\n", "<line>", "exec", _PARSE_FLAGS, dont_inherit=True)
+            compile(source + "\n", "<completion>", "exec", _PARSE_FLAGS, dont_inherit=True)
             return True
         except SyntaxError as exc:
             return "incomplete input" in str(exc)
 
 
 @torch.inference_mode()
-def first_lines(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[str]:
+def complete_lines(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[Line]:
     """Each prompt's greedy continuation up to its first newline (at most GEN_TOKENS tokens)."""
     model.eval()
     stops = [tokenizer.eos_token_id, *_newline_ids(tokenizer)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # like lengths batch with little padding
-    lines = [""] * len(prompts)
+    lines = [Line("", False)] * len(prompts)
     for start in range(0, len(order), BATCH):
         chunk = order[start : start + BATCH]
         inputs = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True)
@@ -136,9 +135,11 @@ def first_lines(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prom
             eos_token_id=stops,
             pad_token_id=tokenizer.pad_token_id,
         )  # out: [B, prompt + new]
-        texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        for i, text in zip(chunk, texts, strict=True):
-            lines[i] = text.split("\n", 1)[0]
+        new = out[:, inputs["input_ids"].shape[1] :]
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+        ended = torch.isin(new, torch.tensor(stops)).any(dim=1).tolist()
+        for i, text, done in zip(chunk, texts, ended, strict=True):
+            lines[i] = Line(text.split("\n", 1)[0], done)
     return lines
 
 
