@@ -76,7 +76,8 @@ def quality_table(results: list[dict]) -> Table:
     """One row per model and per untrained twin."""
     n = results[0]["n"] if results else 0
     table = Table(title=f"next-line completion on {n} held-out prompts (greedy, up to the first newline)")
-    columns = ("model", "params", "held-out loss", "exact match", "exact, outside codec tables", "valid", "line ended")
+    columns = ("model", "params", "held-out loss", "exact match", "exact, outside codec tables", "edit sim.", "valid")
+    columns += ("ended",)
     for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")
     for result in results:
@@ -89,6 +90,7 @@ def quality_table(results: list[dict]) -> Table:
                 f"{loss:.2f}" if loss is not None else "",
                 f"{scores['exact_match']:.1%}",
                 f"{scores['exact_match_outside_codec_tables']:.1%}",
+                f"{scores['edit_similarity']:.2f}",
                 f"{scores['valid']:.1%}",
                 f"{scores['ended']:.1%}",
             )

@@ -5,6 +5,9 @@ Prompts are cut from the held-out standard-library files (`corpus.prompt_cuts`):
 GEN_TOKENS tokens, stopping at the first newline, and that line is scored:
 
 - exact match: the line, stripped, equals the file's true next line, stripped;
+- edit similarity: `difflib.SequenceMatcher`'s ratio of the two stripped lines, 0 to 1
+  (CodeXGLUE's line-completion measure beside exact match): partial credit that tells a
+  near miss from noise;
 - valid: the model ended the line (a newline or end-of-text within GEN_TOKENS tokens),
   the line is not blank, and the file's text up to the cursor followed by the line, as
   written (indentation included), is still valid Python as far as it goes: it parses,
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import codeop
+import difflib
 import json
 import time
 import warnings
@@ -83,17 +87,22 @@ def untrained_twin(model: PreTrainedModel, seed: int) -> LlamaForCausalLM:
 
 
 def score(lines: list[Line], cuts: list[corpus.PromptCut]) -> dict[str, float]:
-    """Exact match (all prompts, and those outside the codec tables), valid, ended, blank."""
+    """Exact match (all prompts, and those outside the codec tables), edit similarity, valid, ended, blank."""
     texts = {f.path: f.text for f in corpus.held_out_files()}
     exact = [line.text.strip() == cut.next_line.strip() for line, cut in zip(lines, cuts, strict=True)]
     code = [hit for hit, cut in zip(exact, cuts, strict=True) if not cut.path.startswith(CODEC_TABLES)]
     return {
         "exact_match": _share(exact),
         "exact_match_outside_codec_tables": _share(code),
+        "edit_similarity": _mean(_similarity(line.text, cut.next_line) for line, cut in zip(lines, cuts, strict=True)),
         "valid": _share(is_valid(texts[cut.path][: cut.cursor], line) for line, cut in zip(lines, cuts, strict=True)),
         "ended": _share(line.ended for line in lines),
         "blank": _share(not line.text.strip() for line in lines),
     }
+
+
+def _similarity(line: str, truth: str) -> float:
+    return difflib.SequenceMatcher(None, line.strip(), truth.strip(), autojunk=False).ratio()
 
 
 def is_valid(before: str, line: Line) -> bool:
@@ -149,5 +158,9 @@ def _newline_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def _share(flags: Iterable[bool]) -> float:
-    values = list(flags)
-    return round(sum(values) / len(values), 4) if values else 0.0
+    return _mean(float(flag) for flag in flags)
+
+
+def _mean(values: Iterable[float]) -> float:
+    numbers = list(values)
+    return round(sum(numbers) / len(numbers), 4) if numbers else 0.0
