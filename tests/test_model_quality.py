@@ -74,7 +74,7 @@ def test_an_evaluation_scores_the_model_and_its_untrained_twin(quick_model: Path
     for kind in ("trained", "untrained"):
         assert set(result[kind]) == {
             "exact_match",
-            "exact_match_outside_codec_tables",
+            "exact_match_outside_encodings",
             "edit_similarity",
             "valid",
             "ended",

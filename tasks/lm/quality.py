@@ -42,7 +42,7 @@ from tasks.lm import corpus
 GEN_TOKENS = 48
 BATCH = 16
 NUM_THREADS = 2
-CODEC_TABLES = "encodings/"  # generated charmap tables: a fifth of the held-out text, easy to predict
+ENCODINGS = "encodings/"  # codecs, half of them generated charmap tables: a fifth of the held-out text, easy to predict
 # The parser alone (an AST, no compile step), with the flags that make codeop's incomplete input an error
 # that says so (codeop itself compiles, which would also reject a `return` outside a function).
 _PARSE_FLAGS = ast.PyCF_ONLY_AST | codeop.PyCF_ALLOW_INCOMPLETE_INPUT | codeop.PyCF_DONT_IMPLY_DEDENT
@@ -71,7 +71,7 @@ def evaluate(folder: Path, n: int = 200, seed: int = 0) -> dict[str, object]:
         "build": {key: facts.get(key) for key in ("steps", "seed", "tokens_seen", "train_s", "held_out_loss")},
         "n": n,
         "seed": seed,
-        "prompts_from_codec_tables": sum(cut.path.startswith(CODEC_TABLES) for cut in cuts),
+        "prompts_from_encodings": sum(cut.path.startswith(ENCODINGS) for cut in cuts),
         "trained": score(complete_lines(trained, tokenizer, prompts), cuts),
         "untrained": score(complete_lines(untrained, tokenizer, prompts), cuts),
         "reference": {"valid": score([Line(cut.next_line, True) for cut in cuts], cuts)["valid"]},
@@ -87,13 +87,13 @@ def untrained_twin(model: PreTrainedModel, seed: int) -> LlamaForCausalLM:
 
 
 def score(lines: list[Line], cuts: list[corpus.PromptCut]) -> dict[str, float]:
-    """Exact match (all prompts, and those outside the codec tables), edit similarity, valid, ended, blank."""
+    """Exact match (all prompts, and those outside `encodings/`), edit similarity, valid, ended, blank."""
     texts = {f.path: f.text for f in corpus.held_out_files()}
     exact = [line.text.strip() == cut.next_line.strip() for line, cut in zip(lines, cuts, strict=True)]
-    code = [hit for hit, cut in zip(exact, cuts, strict=True) if not cut.path.startswith(CODEC_TABLES)]
+    code = [hit for hit, cut in zip(exact, cuts, strict=True) if not cut.path.startswith(ENCODINGS)]
     return {
         "exact_match": _share(exact),
-        "exact_match_outside_codec_tables": _share(code),
+        "exact_match_outside_encodings": _share(code),
         "edit_similarity": _mean(_similarity(line.text, cut.next_line) for line, cut in zip(lines, cuts, strict=True)),
         "valid": _share(is_valid(texts[cut.path][: cut.cursor], line) for line, cut in zip(lines, cuts, strict=True)),
         "ended": _share(line.ended for line in lines),
