@@ -70,18 +70,32 @@ def eval_models(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         report = {
             "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-            "command": "keybatch " + " ".join(sys.argv[1:]),
+            "command": _eval_command(args),
             "results": results,
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
+def _eval_command(args: argparse.Namespace) -> str:
+    name = f" --name {args.name}" if args.name else ""
+    return f"keybatch model eval{name} -n {args.n} --seed {args.seed} --json {args.json}"
+
+
 def quality_table(results: list[dict]) -> Table:
     """One row per model and per untrained twin."""
     n = results[0]["n"] if results else 0
     table = Table(title=f"next-line completion on {n} held-out prompts (greedy, up to the first newline)")
-    columns = ("model", "params", "held-out loss", "exact match", "exact, outside codec tables", "valid", "line ended")
+    columns = (
+        "model",
+        "params",
+        "held-out loss",
+        "exact match",
+        "exact, outside encodings/",
+        "edit sim.",
+        "valid",
+        "ended",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")
     for result in results:
@@ -93,7 +107,8 @@ def quality_table(results: list[dict]) -> Table:
                 f"{result['params'] / 1e6:.1f} M",
                 f"{loss:.2f}" if loss is not None else "",
                 f"{scores['exact_match']:.1%}",
-                f"{scores['exact_match_outside_codec_tables']:.1%}",
+                f"{scores['exact_match_outside_encodings']:.1%}",
+                f"{scores['edit_similarity']:.2f}",
                 f"{scores['valid']:.1%}",
                 f"{scores['ended']:.1%}",
             )

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.lm.quality import Line, evaluate, is_valid
+from tasks.lm import corpus
+from tasks.lm.quality import Line, evaluate, is_valid, score
 from tests.lm_fixtures import quick_model  # noqa: F401
 
 BEFORE = """import os
@@ -58,10 +59,26 @@ def test_a_line_the_model_did_not_end_does_not_count() -> None:
     assert not is_valid(BEFORE, Line("            name", ended=False))
 
 
+def test_the_true_lines_score_full_marks_and_near_misses_partial_ones() -> None:
+    cuts = corpus.prompt_cuts(4, seed=0)
+    truth = score([Line(cut.next_line + "  ", True) for cut in cuts], cuts)
+    assert truth["exact_match"] == truth["edit_similarity"] == truth["valid"] == truth["ended"] == 1.0
+    near = score([Line(cut.next_line[:-1], True) for cut in cuts], cuts)
+    assert near["exact_match"] == 0.0 and 0.5 < near["edit_similarity"] < 1.0
+    assert score([Line("", True) for _ in cuts], cuts)["blank"] == 1.0
+
+
 def test_an_evaluation_scores_the_model_and_its_untrained_twin(quick_model: Path) -> None:  # noqa: F811
     result = evaluate(quick_model, n=6, seed=0)
     assert result["n"] == 6 and result["model"] == "kb-small"
     for kind in ("trained", "untrained"):
-        assert set(result[kind]) == {"exact_match", "exact_match_outside_codec_tables", "valid", "ended", "blank"}
+        assert set(result[kind]) == {
+            "exact_match",
+            "exact_match_outside_encodings",
+            "edit_similarity",
+            "valid",
+            "ended",
+            "blank",
+        }
         assert all(0.0 <= v <= 1.0 for v in result[kind].values())
     assert result["reference"]["valid"] == 1.0

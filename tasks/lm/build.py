@@ -103,13 +103,27 @@ def shared_tokenizer(models_dir: Path) -> PreTrainedTokenizerFast:
     if _read_json(folder / "keybatch.json") != stamp:
         tmp = models_dir / f".tokenizer.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        train_tokenizer().save_pretrained(tmp)
+        tmp.mkdir()
+        train_tokenizer().save(str(tmp / "tokenizer.json"))
         (tmp / "keybatch.json").write_text(json.dumps(stamp))
         _replace_dir(tmp, folder)
-    return PreTrainedTokenizerFast.from_pretrained(folder)
+    return hf_tokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")))
 
 
-def train_tokenizer() -> PreTrainedTokenizerFast:
+def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """`tok` with the roles of its special tokens, as `AutoTokenizer` will load it."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        pad_token=PAD,
+        extra_special_tokens=[FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE],
+        model_max_length=CONTEXT,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def train_tokenizer() -> Tokenizer:
     """Byte-level BPE over the training files. A newline is always a token of its own, so
     a prompt that ends at a line end splits as the training text did (no `\\n    ` merges)."""
     tok = Tokenizer(models.BPE())
@@ -128,15 +142,7 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator((f.text for f in corpus.training_files()), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=END_OF_TEXT,
-        eos_token=END_OF_TEXT,
-        pad_token=PAD,
-        extra_special_tokens=[FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE],
-        model_max_length=CONTEXT,
-        clean_up_tokenization_spaces=False,
-    )
+    return tok
 
 
 def _tokenizer_stamp() -> dict[str, object]:
@@ -390,7 +396,8 @@ def _save(
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move `tmp` to `final`, replacing an older `final` (a reader sees the old or the new)."""
+    """Move `tmp` to `final`, replacing an older `final`: a reader finds the old folder,
+    none (for the instant between two renames), or the new one, never a mix."""
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
         final.rename(old)

@@ -5,6 +5,9 @@ Prompts are cut from the held-out standard-library files (`corpus.prompt_cuts`):
 GEN_TOKENS tokens, stopping at the first newline, and that line is scored:
 
 - exact match: the line, stripped, equals the file's true next line, stripped;
+- edit similarity: `difflib.SequenceMatcher`'s ratio of the two stripped lines, 0 to 1
+  (CodeXGLUE's line-completion measure beside exact match): partial credit that tells a
+  near miss from noise;
 - valid: the model ended the line (a newline or end-of-text within GEN_TOKENS tokens),
   the line is not blank, and the file's text up to the cursor followed by the line, as
   written (indentation included), is still valid Python as far as it goes: it parses,
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import codeop
+import difflib
 import json
 import time
 import warnings
@@ -38,7 +42,7 @@ from tasks.lm import corpus
 GEN_TOKENS = 48
 BATCH = 16
 NUM_THREADS = 2
-CODEC_TABLES = "encodings/"  # generated charmap tables: a fifth of the held-out text, easy to predict
+ENCODINGS = "encodings/"  # codecs, half of them generated charmap tables: a fifth of the held-out text, easy to predict
 # The parser alone (an AST, no compile step), with the flags that make codeop's incomplete input an error
 # that says so (codeop itself compiles, which would also reject a `return` outside a function).
 _PARSE_FLAGS = ast.PyCF_ONLY_AST | codeop.PyCF_ALLOW_INCOMPLETE_INPUT | codeop.PyCF_DONT_IMPLY_DEDENT  # type: ignore[attr-defined]  # codeop's flags, not in typeshed
@@ -67,7 +71,7 @@ def evaluate(folder: Path, n: int = 200, seed: int = 0) -> dict[str, object]:
         "build": {key: facts.get(key) for key in ("steps", "seed", "tokens_seen", "train_s", "held_out_loss")},
         "n": n,
         "seed": seed,
-        "prompts_from_codec_tables": sum(cut.path.startswith(CODEC_TABLES) for cut in cuts),
+        "prompts_from_encodings": sum(cut.path.startswith(ENCODINGS) for cut in cuts),
         "trained": score(complete_lines(trained, tokenizer, prompts), cuts),
         "untrained": score(complete_lines(untrained, tokenizer, prompts), cuts),
         "reference": {"valid": score([Line(cut.next_line, True) for cut in cuts], cuts)["valid"]},
@@ -83,17 +87,22 @@ def untrained_twin(model: PreTrainedModel, seed: int) -> LlamaForCausalLM:
 
 
 def score(lines: list[Line], cuts: list[corpus.PromptCut]) -> dict[str, float]:
-    """Exact match (all prompts, and those outside the codec tables), valid, ended, blank."""
+    """Exact match (all prompts, and those outside `encodings/`), edit similarity, valid, ended, blank."""
     texts = {f.path: f.text for f in corpus.held_out_files()}
     exact = [line.text.strip() == cut.next_line.strip() for line, cut in zip(lines, cuts, strict=True)]
-    code = [hit for hit, cut in zip(exact, cuts, strict=True) if not cut.path.startswith(CODEC_TABLES)]
+    code = [hit for hit, cut in zip(exact, cuts, strict=True) if not cut.path.startswith(ENCODINGS)]
     return {
         "exact_match": _share(exact),
-        "exact_match_outside_codec_tables": _share(code),
+        "exact_match_outside_encodings": _share(code),
+        "edit_similarity": _mean(_similarity(line.text, cut.next_line) for line, cut in zip(lines, cuts, strict=True)),
         "valid": _share(is_valid(texts[cut.path][: cut.cursor], line) for line, cut in zip(lines, cuts, strict=True)),
         "ended": _share(line.ended for line in lines),
         "blank": _share(not line.text.strip() for line in lines),
     }
+
+
+def _similarity(line: str, truth: str) -> float:
+    return difflib.SequenceMatcher(None, line.strip(), truth.strip(), autojunk=False).ratio()
 
 
 def is_valid(before: str, line: Line) -> bool:
@@ -149,5 +158,9 @@ def _newline_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def _share(flags: Iterable[bool]) -> float:
-    values = list(flags)
-    return round(sum(values) / len(values), 4) if values else 0.0
+    return _mean(float(flag) for flag in flags)
+
+
+def _mean(values: Iterable[float]) -> float:
+    numbers = list(values)
+    return round(sum(numbers) / len(numbers), 4) if numbers else 0.0
