@@ -45,6 +45,21 @@ local function notify(gateway, item)
   redis.call('EXPIRE', key, REPLY_TTL_S)
 end
 
+-- Items grouped by gateway, in first-seen order, so each gateway gets one message.
+local function collect(out, order, gateway, item)
+  if not out[gateway] then
+    out[gateway] = {}
+    order[#order + 1] = gateway
+  end
+  table.insert(out[gateway], item)
+end
+
+local function notify_all(out, order)
+  for _, gateway in ipairs(order) do
+    notify(gateway, table.concat(out[gateway], ','))
+  end
+end
+
 -- Cancel the request with this key, tell its gateway. '' for tenant, attempt or holder
 -- means any; a gateway giving up passes itself as holder (a retry elsewhere may own it now).
 local function cancel(key, reason, tenant, attempt, holder)
@@ -210,18 +225,10 @@ for i = 2, #ARGV, 6 do
   elseif not gateway and kind == 'result' then
     wasted = wasted + 1
   end
-  if gateway then
-    if not out[gateway] then
-      out[gateway] = {}
-      order[#order + 1] = gateway
-    end
-    table.insert(out[gateway], item)
-  end
+  if gateway then collect(out, order, gateway, item) end
   redis.call('HDEL', 'kb:held:' .. holder, att)
 end
-for _, gateway in ipairs(order) do
-  notify(gateway, table.concat(out[gateway], ','))
-end
+notify_all(out, order)
 if wasted > 0 then redis.call('INCRBY', 'kb:stats:wasted', wasted) end
 return {delivered, wasted}
 """
@@ -238,18 +245,10 @@ for i = 1, #ARGV, 3 do
   local owner = redis.call('GET', 'kb:req:' .. key)
   if owner then
     local gateway, _, _, owner_att = owner_parts(owner)
-    if owner_att == att then
-      if not out[gateway] then
-        out[gateway] = {}
-        order[#order + 1] = gateway
-      end
-      table.insert(out[gateway], item)
-    end
+    if owner_att == att then collect(out, order, gateway, item) end
   end
 end
-for _, gateway in ipairs(order) do
-  notify(gateway, table.concat(out[gateway], ','))
-end
+notify_all(out, order)
 return #order
 """
 )

@@ -348,11 +348,11 @@ class Replica:
 
     def _lease_commands(self, pipe: redis.client.Pipeline) -> None:
         now = _monotonic_ms()
-        late = now - (self._renew_at_ms + max(self.lease_ms, 4 * self.engine.expected_step_ms()) - self.lease_ms / 3)
-        if self._renew_at_ms and late > 0:
-            log.warning("lease renewed %.0f ms after it lapsed (the loop stalled)", late)
         # A step is renewed around, never during: the lease outlasts a few of the slowest.
         lease_ms = max(self.lease_ms, 4 * self.engine.expected_step_ms())
+        late = now - (self._renew_at_ms + lease_ms - self.lease_ms / 3)
+        if self._renew_at_ms and late > 0:
+            log.warning("lease renewed %.0f ms after it lapsed (the loop stalled)", late)
         pipe.set(p.lease_key(self.name), 1, px=int(lease_ms))
         pipe.sadd(p.HOLDERS_KEY, self.name)
         self._renew_at_ms = now + self.lease_ms / 3
@@ -644,8 +644,14 @@ class Replica:
             try:
                 self.engine.add_request(job)
             except RequestError as err:
-                failed = p.Failed(id=job.id, message=err.message, replica=self.name, per_request=True)
-                failed.code, failed.status = err.code, err.status
+                failed = p.Failed(
+                    id=job.id,
+                    message=err.message,
+                    replica=self.name,
+                    per_request=True,
+                    code=err.code,
+                    status=err.status,
+                )
                 refused.append((pending, failed))
                 continue
             self._joined[job.id] = (pending, now)
