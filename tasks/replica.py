@@ -240,10 +240,17 @@ class Replica:
         message from the queue); the recorder thread writes it into the held hash within
         `RECORD_MS`, so that a sweep can re-queue it if this replica dies."""
         pending = self._pending(job)
+        if self.engine.continuous:
+            # A continuous engine takes requests one by one, tens a second: the record
+            # is written right here, in the consumer's thread, before the request is
+            # buffered. The recorder thread's grouping would leave it unrecorded while
+            # the engine's step holds the interpreter, a window a kill falls into.
+            self._write_held([job])
         with self._cond:
             self.collector.add(pending)
             self._cond.notify()
-        self._hold([job])
+        if not self.engine.continuous:
+            self._hold([job])
 
     def _hold(self, jobs: list[p.Job]) -> None:
         """Hand requests to the recorder thread."""
@@ -266,13 +273,16 @@ class Replica:
             self._stopped.wait(RECORD_MS / 1000.0)
             with self._arrivals:
                 jobs, self._unrecorded = self._unrecorded, []
-            args: list[EncodableT] = [self.name]
-            for job in jobs:
-                args += [job.id, job.key, self._held_record(job)]
-            try:  # only those still in flight: one answered meanwhile must not come back
-                self._record_held(args=args)
-            except redis.RedisError:
-                log.warning("could not record %d requests as held", len(jobs))
+            self._write_held(jobs)
+
+    def _write_held(self, jobs: list[p.Job]) -> None:
+        args: list[EncodableT] = [self.name]
+        for job in jobs:
+            args += [job.id, job.key, self._held_record(job)]
+        try:  # only those still in flight: one answered meanwhile must not come back
+            self._record_held(args=args)
+        except redis.RedisError:
+            log.warning("could not record %d requests as held", len(jobs))
 
     def _pending(self, job: p.Job) -> Pending:
         return Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
@@ -608,7 +618,7 @@ class Replica:
                 self.busy = True
         if late_paid:
             launched = {pending.id for pending in batch}
-            self._hold([job for job, _raw in late_paid if job.id not in launched])
+            self._write_held([job for job, _raw in late_paid if job.id not in launched])
         batch = self._settle(batch, {reason: group for reason, group in dropped.items() if group})
         return self._join(batch)
 
