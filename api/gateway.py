@@ -58,7 +58,7 @@ if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
   -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
   -- that attempt any more; drop it and admit the retry as a new one.
   local _, waiting, _, attempt = owner_parts(current)
-  redis.call('SET', 'kb:cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
+  redis.call('SET', P .. 'cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
   redis.call('ZREM', waiting, attempt)
   current = nil
 end
