@@ -37,6 +37,7 @@ import redis
 
 from api.gateway import ADMIT_LUA, CANCEL_LUA
 from control import failover
+from control import protocol as p
 from control.broker import EmbeddedBroker
 from control.chaos import FREE_KEY, MODEL, PAID_KEY, Deployment, _child_env
 from control.loadgen import LoadSpec, generate
@@ -57,9 +58,10 @@ SCRIPT_BY_SHA = {hashlib.sha1(source.encode()).hexdigest(): name for name, sourc
 # PUBLISH's cost), and what only an operator or this bench sends.
 NOT_REPLAYED = {
     "MONITOR", "SUBSCRIBE", "PSUBSCRIBE", "UNSUBSCRIBE", "PUNSUBSCRIBE", "CLIENT", "HELLO", "SELECT",
-    "INFO", "AUTH", "QUIT", "RESET", "COMMAND", "CONFIG", "SCRIPT", "FLUSHALL", "DEBUG",
+    "INFO", "AUTH", "QUIT", "RESET", "COMMAND", "CONFIG", "SCRIPT", "FLUSHALL", "DEBUG", "ECHO",
 }  # fmt: skip
 BLOCKING = {"BRPOP": "RIGHT", "BLPOP": "LEFT"}
+END_MARKER = b"keybatch-bench-broker-end"
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Snapshot:
 
     at_s: float
     calls: dict[str, int]  # by command, script calls inside included (INFO commandstats)
+    usec: dict[str, int]  # time spent executing each command (a script's inner commands in its EVALSHA too)
     commands: int  # total_commands_processed
     bytes_in: int
     bytes_out: int
@@ -77,9 +80,11 @@ class Snapshot:
 def snapshot(client: redis.Redis) -> Snapshot:
     stats, cpu, commandstats = client.info("stats"), client.info("cpu"), client.info("commandstats")
     calls = {name.removeprefix("cmdstat_").upper(): int(v["calls"]) for name, v in commandstats.items()}
+    usec = {name.removeprefix("cmdstat_").upper(): int(v["usec"]) for name, v in commandstats.items()}
     return Snapshot(
         time.monotonic(),
         calls,
+        usec,
         int(stats["total_commands_processed"]),
         int(stats["total_net_input_bytes"]),
         int(stats["total_net_output_bytes"]),
@@ -93,6 +98,7 @@ class Rates:
 
     seconds: float
     calls: dict[str, float]
+    usec: dict[str, float]
     commands: float
     bytes_in: float
     bytes_out: float
@@ -101,8 +107,9 @@ class Rates:
     @classmethod
     def between(cls, a: Snapshot, b: Snapshot) -> Rates:
         calls = {k: float(v - a.calls.get(k, 0)) for k, v in b.calls.items() if v > a.calls.get(k, 0)}
+        usec = {k: float(v - a.usec.get(k, 0)) for k, v in b.usec.items() if v > a.usec.get(k, 0)}
         return cls(
-            b.at_s - a.at_s, calls, b.commands - a.commands, b.bytes_in - a.bytes_in, b.bytes_out - a.bytes_out,
+            b.at_s - a.at_s, calls, usec, b.commands - a.commands, b.bytes_in - a.bytes_in, b.bytes_out - a.bytes_out,
             b.cpu_s - a.cpu_s,
         )  # fmt: skip
 
@@ -110,12 +117,13 @@ class Rates:
         """This interval with the idle rates over as long taken off (never below zero)."""
         k = self.seconds / idle.seconds
         calls = {c: max(0.0, n - k * idle.calls.get(c, 0)) for c, n in self.calls.items()}
+        usec = {c: max(0.0, n - k * idle.usec.get(c, 0)) for c, n in self.usec.items()}
 
         def less(mine: float, theirs: float) -> float:
             return max(0.0, mine - k * theirs)
 
         return Rates(
-            self.seconds, calls, less(self.commands, idle.commands), less(self.bytes_in, idle.bytes_in),
+            self.seconds, calls, usec, less(self.commands, idle.commands), less(self.bytes_in, idle.bytes_in),
             less(self.bytes_out, idle.bytes_out), less(self.cpu_s, idle.cpu_s),
         )  # fmt: skip
 
@@ -157,14 +165,37 @@ def parse_monitor_line(line: str) -> tuple[str, list[bytes]] | None:
     return source, args
 
 
+# What runs by the clock, not per request: the gateways' sweep and registry reads, the
+# replicas' leases and heartbeats, clock reads. (name, key kind); "" stands for any.
+BACKGROUND = {
+    ("SWEEP_DEAD", ""), ("SWEEP_ONE", ""), ("SMEMBERS", "replicas"), ("HGETALL", "replica"), ("EXISTS", "lease"),
+    ("SET", "lease"), ("SADD", "holders"), ("SADD", "replicas"), ("HSET", "replica"), ("EXPIRE", "replica"),
+    ("PEXPIRE", "replica"), ("DEL", "replica"), ("GET", "stats"), ("TIME", ""), ("PING", ""),
+}  # fmt: skip
+
+
+def key_kind(key: bytes) -> str:
+    """'{kb}:lease:r1' -> 'lease'; '{kb}.kb-small:9' -> 'queue'; anything else: its first part."""
+    text = key.decode(errors="replace")
+    if text.startswith(f"{p.PREFIX}."):
+        return "queue"
+    return text.removeprefix(f"{p.PREFIX}:").split(":", 1)[0]
+
+
+def is_background(name: str, kind: str) -> bool:
+    return (name, "") in BACKGROUND or (name, kind) in BACKGROUND
+
+
 @dataclass
 class Sample:
     """What MONITOR saw: the clients' commands in order, and what scripts ran inside."""
 
-    trace: list[list[bytes]] = field(default_factory=list)
-    client_calls: Counter[str] = field(default_factory=Counter)
-    client_bytes: Counter[str] = field(default_factory=Counter)  # request bytes by command (args only)
-    script_calls: Counter[str] = field(default_factory=Counter)  # EVALSHA by script
+    trace: list[list[bytes]] = field(default_factory=list)  # the request path's commands
+    background: list[list[bytes]] = field(default_factory=list)  # the clock's
+    seconds: float = 0.0
+    client_calls: Counter[str] = field(default_factory=Counter)  # by command, or by script for EVALSHA
+    client_kinds: Counter[str] = field(default_factory=Counter)  # by "command key-kind"
+    client_bytes: Counter[str] = field(default_factory=Counter)  # request bytes (args only)
     lua_calls: Counter[str] = field(default_factory=Counter)  # commands run inside scripts, by command
     lua_by_script: Counter[str] = field(default_factory=Counter)  # inner commands by the script that ran them
     _running: str = field(default="?", repr=False)  # the script whose inner commands come next
@@ -179,43 +210,50 @@ class Sample:
             return
         if command in NOT_REPLAYED:
             return
-        name = command
+        name, kind = command, key_kind(args[1]) if len(args) > 1 else ""
         if command == "EVALSHA" and len(args) > 1:
             name = self._running = SCRIPT_BY_SHA.get(args[1].decode(), "other script")
-            self.script_calls[name] += 1
-        self.client_calls[command] += 1
+            kind = ""
+        self.client_calls[name] += 1
+        self.client_kinds[f"{name} {kind}".strip()] += 1
         self.client_bytes[name] += sum(len(a) for a in args)
-        self.trace.append(args)
+        (self.background if is_background(name, kind) else self.trace).append(args)
 
 
-def monitor_during(url: str, run: Any) -> tuple[Sample, Any]:
-    """Run `run()` while a MONITOR connection records; (what it saw, what run returned)."""
+def monitor_during(url: str, run: Any, drain_s: float = 300.0) -> tuple[Sample, Any]:
+    """Run `run()` while a MONITOR connection records; (what it saw, what run returned).
+    The lines are kept raw and parsed afterwards, and the reader reads on to a marker
+    sent after the run: MONITOR's stream can run behind the commands it reports."""
     sample = Sample()
     client = redis.Redis.from_url(url)
     conn = client.connection_pool.get_connection()
     conn.send_command("MONITOR")
     assert conn.read_response() in (b"OK", "OK")
-    stop = threading.Event()
+    lines: list[bytes] = []
 
     def read() -> None:
-        while not stop.is_set() or conn.can_read(timeout=0.2):
-            if not conn.can_read(timeout=0.2):
-                continue
+        while True:
             raw = conn.read_response()
-            line = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
-            parsed = parse_monitor_line(line)
-            if parsed:
-                sample.add(*parsed)
+            line = raw if isinstance(raw, bytes) else str(raw).encode("latin-1")
+            if END_MARKER in line:
+                return
+            lines.append(line)
 
     reader = threading.Thread(target=read, name="monitor", daemon=True)
     reader.start()
+    started = time.monotonic()
     try:
         result = run()
     finally:
-        stop.set()
-        reader.join(30)
+        sample.seconds = time.monotonic() - started
+        client.echo(END_MARKER.decode())
+        reader.join(drain_s)
         conn.disconnect()
         client.close()
+    for line in lines:
+        parsed = parse_monitor_line(line.decode("latin-1"))
+        if parsed:
+            sample.add(*parsed)
     return sample, result
 
 
@@ -231,11 +269,12 @@ def replayable(args: list[bytes]) -> list[bytes]:
     return args
 
 
-def replay(trace: list[list[bytes]], rounds: int, chunk: int = 500) -> dict[str, float]:
-    """Send the trace pipelined to a fresh Valkey `rounds` times (emptied between rounds);
-    the server's CPU per command, best round (least disturbed by whatever else runs)."""
+def replay(trace: list[list[bytes]], rounds: int, chunk: int) -> dict[str, float]:
+    """Send the trace to a fresh Valkey `rounds` times (emptied between rounds), `chunk`
+    commands a round trip: the server's CPU seconds for the whole trace, best round (the
+    least disturbed by whatever else runs) and median."""
     commands = [replayable(args) for args in trace]
-    per_command_us: list[float] = []
+    cpu_s: list[float] = []
     with EmbeddedBroker() as broker:
         client = redis.Redis.from_url(broker.url)
         conn = client.connection_pool.get_connection()
@@ -252,14 +291,10 @@ def replay(trace: list[list[bytes]], rounds: int, chunk: int = 500) -> dict[str,
                         conn.read_response()
                     except redis.ResponseError:
                         pass  # a replayed call may meet other state (a TTL passed): it still ran
-            after = snapshot(client)
-            per_command_us.append((after.cpu_s - before.cpu_s) * 1e6 / max(1, after.commands - before.commands))
+            cpu_s.append(snapshot(client).cpu_s - before.cpu_s)
         client.connection_pool.release(conn)
         client.close()
-    return {
-        "cpu_us_per_command_best": min(per_command_us),
-        "cpu_us_per_command_median": statistics.median(per_command_us),
-    }
+    return {"cpu_s_best": min(cpu_s), "cpu_s_median": statistics.median(cpu_s), "commands": len(commands)}
 
 
 # -- the run -------------------------------------------------------------------------
@@ -302,51 +337,69 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def report(args: argparse.Namespace, m: dict[str, Any], replayed: dict[str, float] | None) -> dict[str, Any]:
+def report(args: argparse.Namespace, m: dict[str, Any], replays: dict[str, dict[str, float]]) -> dict[str, Any]:
     work: Rates = m["work"]
     idle: Rates = m["idle"]
     sample: Sample = m["sample"]
-    n, ns = max(1, m["answered"]), max(1, m["sample_answered"])
+    # The sample counts per admission call, one per request that reached Redis: MONITOR
+    # slows Valkey, so fewer of the sample's requests may end 200 than reached it.
+    n, ns = max(1, m["answered"]), max(1, sample.client_calls.get("ADMIT", 0))
     live_cpu_us = work.cpu_s * 1e6 / n
+    inner = sum(sample.lua_calls.values())
+    by_kind = sample.client_kinds.most_common()
     out: dict[str, Any] = {
         "command": f"keybatch bench broker --rate {args.rate:g} --duration {args.duration:g} --workers {args.workers} "
         f"--paid-share {args.paid_share:g} --sample {args.sample:g}" + ("" if args.own_ids else " --no-own-ids"),
         "offered_rps": args.rate,
         "answered": m["answered"],
         "sent": m["sent"],
-        "per_request": {
-            "client_commands": work.commands / n,
-            "all_calls_scripts_inside_included": sum(work.calls.values()) / n,
+        "per_request": {  # the load's counters less the idle rates, over the requests answered
+            "commands_scripts_inside_included": work.commands / n,
+            "evalsha": work.calls.get("EVALSHA", 0.0) / n,
             "bytes_in": work.bytes_in / n,
             "bytes_out": work.bytes_out / n,
             "valkey_cpu_us": live_cpu_us,
+            "executing_evalsha_us": work.usec.get("EVALSHA", 0.0) / n,
         },
         "calls_per_request_by_command": {k: v / n for k, v in sorted(work.calls.items(), key=lambda kv: -kv[1])},
+        "usec_per_call_by_command": {k: work.usec.get(k, 0.0) / v for k, v in work.calls.items() if v},
         "idle_per_s": {
-            "client_commands": idle.commands / idle.seconds,
+            "commands": idle.commands / idle.seconds,
             "bytes_in": idle.bytes_in / idle.seconds,
             "bytes_out": idle.bytes_out / idle.seconds,
             "valkey_cpu_share": idle.cpu_s / idle.seconds,
             "by_command": {k: v / idle.seconds for k, v in sorted(idle.calls.items(), key=lambda kv: -kv[1])},
         },
         "sample": {
+            "seconds": sample.seconds,
             "answered": m["sample_answered"],
-            "client_commands": sum(sample.client_calls.values()),
-            "client_calls_per_request": {k: v / ns for k, v in sample.client_calls.most_common()},
-            "script_calls_per_request": {k: v / ns for k, v in sample.script_calls.most_common()},
+            "admitted_or_refused_by_script": ns,
+            "request_path_commands_per_request": len(sample.trace) / ns,
+            "background_commands_per_s": len(sample.background) / max(sample.seconds, 1e-9),
+            "inner_commands_per_request": inner / ns,
+            "client_calls_per_request": {k: v / ns for k, v in by_kind if not is_background(*_split(k))},
+            "background_calls_per_s": {k: v / sample.seconds for k, v in by_kind if is_background(*_split(k))},
             "inner_commands_per_script_call": {
-                k: sample.lua_by_script[k] / v for k, v in sample.script_calls.most_common() if v
+                k: sample.lua_by_script[k] / sample.client_calls[k]
+                for k in sample.lua_by_script
+                if k in sample.client_calls
             },
             "request_bytes_per_request": {k: v / ns for k, v in sample.client_bytes.most_common()},
         },
         "one_core_rps": {"live": 1e6 / live_cpu_us if live_cpu_us else None},
+        "replays": {},
     }
-    if replayed:
-        per_request_us = replayed["cpu_us_per_command_best"] * sum(sample.client_calls.values()) / ns
-        out["replay"] = {**replayed, "valkey_cpu_us_per_request": per_request_us}
-        out["one_core_rps"]["replay"] = 1e6 / per_request_us
+    for name, replayed in replays.items():
+        per_request_us = replayed["cpu_s_best"] * 1e6 / ns
+        out["replays"][name] = {**replayed, "valkey_cpu_us_per_request": per_request_us}
+        out["one_core_rps"][f"replay {name}"] = 1e6 / per_request_us
     out["sizing"] = sizing(args.target_rps, args.utilization, out["one_core_rps"], out["per_request"])
     return out
+
+
+def _split(name_kind: str) -> tuple[str, str]:
+    name, _, kind = name_kind.partition(" ")
+    return name, kind
 
 
 def sizing(target_rps: float, utilization: float, one_core: dict[str, float | None], per_request: dict) -> dict:
@@ -364,46 +417,45 @@ def print_report(out: dict[str, Any]) -> None:
     pr = out["per_request"]
     print(f"{out['answered']} of {out['sent']} answered at {out['offered_rps']:g} req/s offered")
     print(
-        f"per request: {pr['client_commands']:.2f} commands from clients "
-        f"({pr['all_calls_scripts_inside_included']:.2f} with the scripts' own), "
-        f"{pr['bytes_in']:.0f} B in, {pr['bytes_out']:.0f} B out, "
+        f"per request (idle rates taken off): {pr['commands_scripts_inside_included']:.1f} commands, the scripts' "
+        f"own included ({pr['evalsha']:.2f} EVALSHA), {pr['bytes_in']:.0f} B in, {pr['bytes_out']:.0f} B out, "
         f"{pr['valkey_cpu_us']:.0f} us of Valkey CPU"
     )
-    print(f"\n{'command (live, idle rate taken off)':40} {'calls/request':>14}")
-    for name, v in out["calls_per_request_by_command"].items():
-        if v >= 0.01:
-            print(f"{name:40} {v:14.3f}")
     s = out["sample"]
-    print(f"\nMONITOR sample: {s['answered']} answered, {s['client_commands']} client commands")
-    print(f"{'client call':22} {'per request':>12} {'request bytes':>14} {'inner commands/call':>20}")
-    names = list(s["client_calls_per_request"]) + list(s["script_calls_per_request"])
-    for name in names:
-        if name == "EVALSHA":
-            continue
-        per = s["script_calls_per_request"].get(name, s["client_calls_per_request"].get(name, 0.0))
+    print(
+        f"\nMONITOR sample, {s['admitted_or_refused_by_script']} requests through ADMIT "
+        f"({s['answered']} answered 200): "
+        f"{s['request_path_commands_per_request']:.2f} client commands and "
+        f"{s['inner_commands_per_request']:.1f} script-inner commands per request"
+    )
+    print(f"{'client call (key kind)':28} {'per request':>12} {'inner/call':>11}")
+    for name, per in s["client_calls_per_request"].items():
         inner = s["inner_commands_per_script_call"].get(name)
-        inner_text = f"{inner:20.1f}" if inner is not None else f"{'':20}"
-        print(f"{name:22} {per:12.3f} {s['request_bytes_per_request'].get(name, 0.0):14.0f} {inner_text}")
+        print(f"{name:28} {per:12.3f} {'' if inner is None else f'{inner:11.1f}'}")
+    print(f"{'clock-driven call':28} {'per second':>12}")
+    for name, per_s in s["background_calls_per_s"].items():
+        print(f"{name:28} {per_s:12.1f}")
     idle = out["idle_per_s"]
-    print(f"\nidle (no load): {idle['client_commands']:.0f} commands/s, Valkey CPU {idle['valkey_cpu_share']:.1%}")
-    one = out["one_core_rps"]
-    print(f"\none Valkey core carries: {one['live']:,.0f} req/s (live, floor)", end="")
-    if "replay" in out:
-        print(f", {one['replay']:,.0f} req/s (replayed pipelined, ceiling)")
-    else:
-        print()
+    print(f"\nidle (no load): {idle['commands']:.0f} commands/s, Valkey CPU {idle['valkey_cpu_share']:.1%}")
+    print("\none Valkey core carries (requests/s):")
+    for name, rps in out["one_core_rps"].items():
+        print(f"  {name:24} {rps:10,.0f}")
     sz = out["sizing"]
     shards = ", ".join(f"{k} {v}" for k, v in sz["shards"].items())
     print(
-        f"at {sz['target_rps']:,.0f} req/s and {sz['utilization']:.0%} utilization: shards {shards}; network "
+        f"at {sz['target_rps']:,.0f} req/s and {sz['utilization']:.0%} of a core: shards {shards}; network "
         f"{sz['network_in_mbit_s']:.0f} Mbit/s in, {sz['network_out_mbit_s']:.0f} Mbit/s out"
     )
 
 
 def run_broker(args: argparse.Namespace) -> int:
     m = measure(args)
-    replayed = replay(m["sample"].trace, args.replay_rounds) if args.replay_rounds > 0 else None
-    out = report(args, m, replayed)
+    replays = {}
+    if args.replay_rounds > 0:
+        trace = m["sample"].trace
+        replays["pipelined"] = replay(trace, args.replay_rounds, chunk=500)
+        replays["one by one"] = replay(trace, args.replay_rounds, chunk=1)
+    out = report(args, m, replays)
     print_report(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
