@@ -22,6 +22,10 @@ Every piece is one Lua script, so each step is atomic on the broker:
   request finds no owner and is counted as wasted work, never sent.
 
 The owner value is "<gateway>|<waiting set>|<tenant>|<attempt id>"; see api/gateway.py.
+
+The scripts read their keys' names from ARGV and from what they find; every key carries
+the one hash tag (control/protocol.py), so they all sit in one slot. A caller may name one
+of them in KEYS[1] (the scripts ignore it) for a cluster client to route the call by.
 """
 
 from __future__ import annotations
@@ -263,5 +267,5 @@ def release_replica(client: redis.Redis, name: str, min_ms: float = 265.0) -> tu
     """A replica is known dead (its supervisor saw it exit): drop its lease and re-queue
     what it held now, rather than when the lease would have lapsed. (requeued, expired)"""
     client.delete(p.lease_key(name))
-    requeued, expired = client.register_script(SWEEP_ONE_LUA)(args=[name, min_ms])
+    requeued, expired = client.register_script(SWEEP_ONE_LUA)(keys=[p.held_key(name)], args=[name, min_ms])
     return max(0, int(requeued)), int(expired)
