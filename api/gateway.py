@@ -39,6 +39,7 @@ EARLY_KEEP_S = 2.0  # an answer for a request this process has not registered ye
 
 OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this much
 
+# KEYS: the owner (read through ARGV; named so a cluster client routes the call to its slot).
 CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
@@ -58,7 +59,7 @@ if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
   -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
   -- that attempt any more; drop it and admit the retry as a new one.
   local _, waiting, _, attempt = owner_parts(current)
-  redis.call('SET', 'kb:cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
+  redis.call('SET', P .. 'cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
   redis.call('ZREM', waiting, attempt)
   current = nil
 end
@@ -444,7 +445,7 @@ class Gateway:
         if joined:
             return
         try:
-            self._cancel(args=[waiter.job.key, reason, "", waiter.attempt, self.id])
+            self._cancel(keys=[p.owner_key(waiter.job.key)], args=[waiter.job.key, reason, "", waiter.attempt, self.id])
         except redis.RedisError as exc:
             self.health.failed(exc)  # the broker is away; the answer stands all the same
 
@@ -453,7 +454,7 @@ class Gateway:
         if self.health.is_down:
             raise _broker_down(None)
         try:
-            return bool(self._cancel(args=[key, reason, tenant, "", ""]))
+            return bool(self._cancel(keys=[p.owner_key(key)], args=[key, reason, tenant, "", ""]))
         except redis.RedisError as exc:
             self.health.failed(exc)
             raise _broker_down(exc) from exc
@@ -468,7 +469,7 @@ class Gateway:
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired = self._sweep(args=[min_ms])
+                swept, requeued, expired = self._sweep(keys=[p.HOLDERS_KEY], args=[min_ms])
                 if swept:
                     log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
                 self._release_orphans()

@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from control.cliargs import (
+        add_broker_bench_args,
         add_engine_bench_args,
         add_gateway_cpu_args,
         add_load_args,
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
+    )
+    add_broker_bench_args(
+        bench_sub.add_parser("broker", help="Valkey's commands, bytes and CPU per request, and one core's share")
     )
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
     from control.cliargs import add_chaos_args
@@ -149,6 +153,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.peerbench import run_peer
 
         return run_peer(settings, args)
+    if args.bench == "broker":
+        from control.brokerbench import run_broker
+
+        return run_broker(args)
     if args.bench == "gateway-cpu":
         from control.cpubench import run_gateway_cpu
 
