@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from control import protocol as p
 from control.fleet import read_fleet
 from tests.conftest import MODEL, Deployment, deployment, until
 from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
@@ -39,18 +40,18 @@ def _burst(kb: Deployment) -> list:
 
 def _held(kb: Deployment) -> dict[str, int]:
     state = redis.Redis.from_url(kb.system.redis_url)
-    return {k.decode(): state.hlen(k) for k in state.keys("kb:held:*")}
+    return {k.decode(): state.hlen(k) for k in state.keys(p.held_key("*"))}
 
 
 def _fleet(kb: Deployment) -> list[dict]:
     state = redis.Redis.from_url(kb.system.redis_url)
-    return [state.hgetall(f"kb:replica:{n.decode()}") for n in state.smembers("kb:replicas")]
+    return [state.hgetall(p.replica_key(n.decode())) for n in state.smembers(p.REPLICAS_KEY)]
 
 
 def _replica_for(kb: Deployment, pid: int) -> str:
     state = redis.Redis.from_url(kb.system.redis_url)
-    for name in state.smembers("kb:replicas"):
-        if state.hget(f"kb:replica:{name.decode()}", "pid") == str(pid).encode():
+    for name in state.smembers(p.REPLICAS_KEY):
+        if state.hget(p.replica_key(name.decode()), "pid") == str(pid).encode():
             return name.decode()
     raise AssertionError(f"no replica with pid {pid}")
 
@@ -60,7 +61,7 @@ def test_a_replica_killed_or_hung_mid_generation_loses_no_request(hf2: Deploymen
     victim = hf2.system.workers[0]
     name = _replica_for(hf2, victim.pid)
     futures = _burst(hf2)
-    assert until(lambda: _held(hf2).get(f"kb:held:{name}", 0) > 0, 20)  # it holds some of them
+    assert until(lambda: _held(hf2).get(p.held_key(name), 0) > 0, 20)  # it holds some of them
     victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     try:
         answers = [f.result(60) for f in futures]
@@ -80,4 +81,4 @@ def test_a_replica_killed_or_hung_mid_generation_loses_no_request(hf2: Deploymen
     assert len({a.json()["id"] for a in ok}) == len(ok)
     assert {a.json()["keybatch"]["replica"] for a in ok} != {name}
     if how == "killed":
-        assert until(lambda: f"kb:held:{name}" not in _held(hf2), 10)  # swept
+        assert until(lambda: p.held_key(name) not in _held(hf2), 10)  # swept
