@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_model_args(sub.add_parser("model", help="build the local code models, or measure their quality"))
 
+    from control.fleetcli import add_fleet_args
+
+    add_fleet_args(sub)
+
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
     return top
@@ -111,7 +115,7 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
-    from tasks.engine import make_engine
+    from tasks.engine import Engine, make_engine
     from tasks.worker import run_worker
 
     if args.model not in settings.models:
@@ -122,7 +126,11 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     engine = make_engine(settings, args.model, args.backend, args.policy)
     name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"
-    run_worker(settings, args.model, engine, name, loglevel=args.loglevel)
+
+    def load_engine(model: str) -> Engine:
+        return make_engine(settings, model, args.backend, args.policy)
+
+    run_worker(settings, args.model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
     return 0
 
 
@@ -162,6 +170,12 @@ def _chaos(settings: Settings, args: argparse.Namespace) -> int:
     return run_chaos(settings, args)
 
 
+def _fleet(settings: Settings, args: argparse.Namespace) -> int:
+    from control.fleetcli import run_fleet_command
+
+    return run_fleet_command(settings, args)
+
+
 def _model(settings: Settings, args: argparse.Namespace) -> int:
     from control.models import run_model
 
@@ -177,4 +191,5 @@ COMMANDS = {
     "flower": _flower,
     "chaos": _chaos,
     "model": _model,
+    **dict.fromkeys(("fleet", "drain", "resume", "move", "rebalance"), _fleet),
 }

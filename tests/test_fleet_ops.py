@@ -1,0 +1,132 @@
+"""Operator actions on a real deployment (Valkey, three replica processes of two models,
+the gateway): drain under load loses nothing, resume serves again, move switches the
+model and serves the other queue; `keybatch fleet --json` shows the fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from control.lifecycle import ReplicaState
+from control.ops import Operator, OperatorError
+from control.settings import Settings
+from tests.conftest import PAID_KEY, Deployment, deployment, until
+from tests.test_layers import ROOT
+
+SMALL, LARGE = "kb-small", "kb-large"
+
+
+@pytest.fixture(scope="module")
+def two_models() -> Iterator[Deployment]:
+    # Round robin: kb-small-1, kb-large-2, kb-small-3.
+    with deployment(workers=3, models=(SMALL, LARGE), BATCH_MS="100", MAX_BATCH="8") as d:
+        for _ in range(3):
+            d.post({"model": LARGE, "prompt": "warm"})
+        yield d
+
+
+def operator(d: Deployment) -> Operator:
+    return Operator(Settings(redis_url=d.system.redis_url, models={SMALL: SMALL, LARGE: LARGE}))
+
+
+def name(d: Deployment, prefix: str) -> str:
+    return next(r.name for r in operator(d).snapshot().replicas if r.name.startswith(prefix))
+
+
+def state(op: Operator, replica: str) -> tuple[ReplicaState | None, str]:
+    info = op.resolve(replica)
+    return info.state, info.model
+
+
+def replicas_serving(d: Deployment, model: str, n: int) -> Counter[str]:
+    """Which replicas answered `n` concurrent requests for `model` (all must be 200)."""
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda i: d.post({"model": model, "prompt": f"p{i}"}, key=PAID_KEY), range(n)))
+    assert [a.status_code for a in answers] == [200] * n, [a.text for a in answers if a.status_code != 200]
+    return Counter(a.json()["keybatch"]["replica"] for a in answers)
+
+
+def test_fleet_json_lists_every_replica(two_models: Deployment) -> None:
+    env = {**os.environ, "KEYBATCH_REDIS_URL": str(two_models.system.redis_url)}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "control", "fleet", "--json"], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    fleet = json.loads(done.stdout)
+    replicas = fleet["replicas"]
+    assert sorted(r["model"] for r in replicas) == [LARGE, SMALL, SMALL]
+    for r in replicas:
+        assert {"id", "host", "pid", "model", "state", "held", "batch_fill", "utilization", "heartbeat_age_ms"} <= set(r)
+        assert r["state"] == "serving" and r["ready"] is True
+        assert r["pid"] in [w.pid for w in two_models.system.workers]
+        assert 0 <= r["heartbeat_age_ms"] < 3_000
+    small_free = next(t for t in fleet["traffic"] if t["model"] == SMALL and t["tier"] == "free")
+    assert set(small_free) >= {"num_queued", "oldest_ms", "arrival_rate", "completion_rate", "p50_ms", "p99_ms"}
+    assert took < 10  # generous on 2 shared cores; the command itself is one Redis round trip or two
+    print(f"keybatch fleet --json took {took:.2f} s")
+
+
+def test_drain_under_load_fails_nothing_then_resume_serves_again(two_models: Deployment) -> None:
+    op = operator(two_models)
+    target = name(two_models, "kb-small-1")
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(two_models.post, {"model": SMALL, "prompt": f"load {i}"}) for i in range(120)]
+        time.sleep(0.3)  # requests are queued and running on both replicas
+        started = time.monotonic()
+        result = op.drain(target)
+        assert time.monotonic() - started < 2.0
+        assert result.ok and result.state == "draining", result
+        codes = Counter(f.result().status_code for f in futures)
+    assert codes == {200: 120}
+    assert until(lambda: state(op, target)[0] == ReplicaState.DRAINED, 10)
+    info = op.resolve(target)
+    assert info.num_held == 0 and not info.is_ready
+    assert until(lambda: two_models.system.redis_url is not None and not _held(op, target), 2)
+    served_by = replicas_serving(two_models, SMALL, 16)
+    assert target not in served_by  # the other replica took it all
+
+    assert op.resume(target).state == "serving"
+    assert until(lambda: target in replicas_serving(two_models, SMALL, 16), 10)
+    # The deployment-wide traffic saw it: arrivals, completions and latency per tier.
+    small = {t.tier: t for t in op.snapshot().traffic if t.model == SMALL}
+    assert small["free"].arrival_rate > 0 and small["free"].completion_rate > 0
+    assert small["free"].p50_ms is not None and small["paid"].p99_ms is not None
+
+
+def test_the_last_serving_replica_of_a_model_is_not_drained_without_force(two_models: Deployment) -> None:
+    op = operator(two_models)
+    with pytest.raises(OperatorError, match="last serving replica of kb-large"):
+        op.drain(name(two_models, "kb-large-2"))
+    with pytest.raises(OperatorError, match="no replica named"):
+        op.drain("nobody")
+
+
+def test_move_switches_the_model_and_serves_the_other_queue(two_models: Deployment) -> None:
+    op = operator(two_models)
+    mover, large = name(two_models, "kb-small-3"), name(two_models, "kb-large-2")
+    result = op.move(mover, LARGE, wait_s=15)
+    assert result.ok and result.state == "serving" and result.model == LARGE, result
+    assert state(op, mover) == (ReplicaState.SERVING, LARGE)
+    # Both kb-large replicas answer kb-large's queue now; kb-small is served by its other one.
+    assert until(lambda: set(replicas_serving(two_models, LARGE, 24)) == {mover, large}, 10)
+    assert set(replicas_serving(two_models, SMALL, 8)) == {name(two_models, "kb-small-1")}
+    ready = requests.get(f"{two_models.url}/readyz", timeout=5).json()
+    assert ready == {"status": "ready", "replicas": {SMALL: 1, LARGE: 2}}  # no host, pid or process id
+    # And back.
+    assert op.move(mover, SMALL, wait_s=15).model == SMALL
+    assert mover in replicas_serving(two_models, SMALL, 24)
+
+
+def _held(op: Operator, replica: str) -> int:
+    return int(op.redis.hlen(f"kb:held:{replica}"))
