@@ -104,6 +104,12 @@ class Operator:
         models = sorted(set(self.settings.models) | {r.model for r in replicas})
         return FleetSnapshot(replicas, read_traffic(self.redis, models, window_s))
 
+    def live(self) -> dict[str, dict[str, Any]]:
+        """What each replica answers itself over remote control within 1 s (the registry
+        shows the same, a heartbeat later; a replica missing here is not listening)."""
+        replies = self._app().control.broadcast("kb_replica", reply=True, timeout=REPLY_TIMEOUT_S)
+        return {name: answer for reply in replies or [] for name, answer in reply.items()}
+
     def resolve(self, name: str, replicas: list[ReplicaInfo] | None = None) -> ReplicaInfo:
         """A replica by its full name, or by the part before '@' when that is unique."""
         replicas = replicas if replicas is not None else read_fleet(self.redis)
@@ -158,7 +164,9 @@ class Operator:
         )
         answer = next((r[replica.name] for r in replies or [] if replica.name in r), None)
         if answer is None:
-            return ActionResult(replica.name, action, False, replica.state_label, replica.model, "no answer within 1 s")
+            # A replica registers as its consumer starts and answers commands a moment later.
+            why = "no answer within 1 s (a replica that just started listens a moment after it registers)"
+            return ActionResult(replica.name, action, False, replica.state_label, replica.model, why)
         return ActionResult(
             replica.name,
             action,
@@ -191,9 +199,9 @@ class Operator:
 
     # -- rebalancing --------------------------------------------------------------------
 
-    def demand_snapshot(self, snap: FleetSnapshot | None = None) -> Snapshot:
-        """What the rebalance policy decides on."""
-        snap = snap or self.snapshot()
+    def demand_snapshot(self, window_s: int = 10) -> Snapshot:
+        """What the rebalance policy decides on: demand over the last `window_s` seconds."""
+        snap = self.snapshot(window_s)
         slots = [
             ReplicaSlot(r.name, r.model, r.state, r.max_batch * 1000.0 / r.batch_ms if r.batch_ms else 0.0)
             for r in snap.replicas
@@ -209,8 +217,8 @@ class Operator:
             )
         return Snapshot(slots, demand)
 
-    def rebalance_once(self, policy: RebalancePolicy) -> tuple[list[Decision], list[ActionResult]]:
-        decisions = policy.decide(self.demand_snapshot())
+    def rebalance_once(self, policy: RebalancePolicy, window_s: int = 10) -> tuple[list[Decision], list[ActionResult]]:
+        decisions = policy.decide(self.demand_snapshot(window_s))
         results = [self.move(d.replica, d.to_model) for d in decisions if d.is_move]
         return decisions, results
 

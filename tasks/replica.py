@@ -276,8 +276,21 @@ class Replica:
         if self.state != ReplicaState.SERVING:
             self.moving_to = ""
             self._set_state(ReplicaState.SERVING)
+            self._rejoin_idle()
             self.wake()  # the consumer asks the gate again
         return self.state
+
+    def _rejoin_idle(self) -> None:
+        """Back in the model's idle list (a heartbeat only refreshes an entry), so peers
+        leave new work to it as to any idle replica."""
+        if self.busy:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            self._mark_idle(pipe)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not rejoin the idle list")
 
     def move(self, model: str) -> ReplicaState:
         """Drain, then load `model`, consume its queue instead and serve it."""
@@ -342,12 +355,16 @@ class Replica:
             self.engine, self.model = engine, new
             self.collector.config.batch_ms = engine.expected_batch_ms()
             self._peer_launches, self._peer_idle = [], True
-        try:
-            self.redis.zrem(p.idle_key(old), self.name)
-        except redis.RedisError:
-            pass
         self.moving_to = ""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(p.idle_key(old), self.name)
+            pipe.set(p.assignment_key(self.name), new)  # kept across a restart (control/cli.py)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not record the move of %s to %s", self.name, new)
         self._set_state(ReplicaState.SERVING, only_from=ReplicaState.MOVING)
+        self._rejoin_idle()
         log.info("replica %s moved from %s to %s", self.name, old, new)
         self.wake()
 
