@@ -27,11 +27,13 @@ LATENCY_BOUNDS_MS = (25, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000
 TIERS: tuple[Tier, ...] = get_args(Tier)
 
 # For the admission script, after the request is admitted: ARGV[7] is the broker's now in
-# ms, ARGV[12] the field `arrival_field(model, tier)`.
+# ms, ARGV[12] the field `arrival_field(model, tier)` (a caller without it counts nothing).
 ARRIVAL_LUA = f"""
-local traffic = '{p.PREFIX}:traffic:' .. math.floor(tonumber(ARGV[7]) / 1000)
-redis.call('HINCRBY', traffic, ARGV[12], 1)
-redis.call('EXPIRE', traffic, {KEEP_S})
+if ARGV[12] then
+  local traffic = '{p.PREFIX}:traffic:' .. math.floor(tonumber(ARGV[7]) / 1000)
+  redis.call('HINCRBY', traffic, ARGV[12], 1)
+  redis.call('EXPIRE', traffic, {KEEP_S})
+end
 """
 
 

@@ -226,148 +226,6 @@ class Replica:
         except redis.RedisError:
             log.warning("could not leave the replica registry")
 
-    # -- operator actions: drain, resume, move (states: control/lifecycle.py) ----------
-
-    def _is_taking(self) -> bool:
-        return not self._stopping and self.state.takes_work
-
-    def _is_flushing(self) -> bool:
-        """Run what is buffered now, without waiting to fill a batch."""
-        return self._stopping or not self.state.takes_work
-
-    def _num_running(self) -> int:
-        if self.engine.continuous:
-            return len(self._joined)
-        return self.stats.last_batch_size if self.busy else 0
-
-    def _set_state(self, wanted: ReplicaState, only_from: ReplicaState | None = None) -> bool:
-        """Move to `wanted` (IllegalTransition if the table forbids it); with `only_from`,
-        only if the replica is in that state now (else False: another thread moved it)."""
-        with self._cond:
-            if only_from is not None and self.state != only_from:
-                return False
-            self.state = transition(self.state, wanted)
-            self._quiet_since = None
-            self._cond.notify_all()
-        try:
-            self._publish_state()
-        except redis.RedisError:
-            log.warning("could not publish the state %s", wanted.label)
-        return True
-
-    def drain(self) -> ReplicaState:
-        """Take no new work; finish what is held; then report drained. Idempotent."""
-        if self.state in (ReplicaState.DRAINING, ReplicaState.DRAINED):
-            return self.state
-        self._set_state(ReplicaState.DRAINING)
-        try:  # peers must not count on this replica for the next batch
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(p.idle_key(self.model), self.name)
-            pipe.zrem(p.launch_key(self.model), self.name)
-            pipe.execute()
-        except redis.RedisError:
-            log.warning("could not leave the idle and launch lists")
-        return self.state
-
-    def resume(self) -> ReplicaState:
-        """Serve again (a drain is called off). Idempotent."""
-        if self.state == ReplicaState.MOVING:
-            raise ValueError("a moving replica serves again once its new model is loaded")
-        if self.state != ReplicaState.SERVING:
-            self.moving_to = ""
-            self._set_state(ReplicaState.SERVING)
-            self._rejoin_idle()
-            self.wake()  # the consumer asks the gate again
-        return self.state
-
-    def _rejoin_idle(self) -> None:
-        """Back in the model's idle list (a heartbeat only refreshes an entry), so peers
-        leave new work to it as to any idle replica."""
-        if self.busy:
-            return
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            self._mark_idle(pipe)
-            pipe.execute()
-        except redis.RedisError:
-            log.warning("could not rejoin the idle list")
-
-    def move(self, model: str) -> ReplicaState:
-        """Drain, then load `model`, consume its queue instead and serve it."""
-        if self.load_engine is None:
-            raise IllegalTransition(self.state, ReplicaState.MOVING)
-        if model == self.model and self.state == ReplicaState.SERVING:
-            return self.state
-        if self.state == ReplicaState.MOVING or not (
-            self.state == ReplicaState.DRAINED or can_transition(self.state, ReplicaState.DRAINING)
-        ):
-            raise IllegalTransition(self.state, ReplicaState.MOVING)
-        self.moving_to = model
-        state = self.drain()
-        self._check_drained()
-        return state
-
-    def _check_drained(self) -> None:
-        """A draining replica that holds nothing, and whose consumer has no pull in
-        flight, twice in a row at least 20 ms apart (a pull decided just before the gate
-        shut may start a moment later), is drained; a drained one with a move to make
-        makes it."""
-        if self.state == ReplicaState.DRAINED and self.moving_to:
-            self._start_move()
-            return
-        if self.state != ReplicaState.DRAINING:
-            return
-        with self._cond:
-            quiet = not self.collector and not self.busy and not self._joined and not self.is_polling()
-            now = _monotonic_ms()
-            if not quiet:
-                self._quiet_since = None
-                return
-            if self._quiet_since is None:
-                self._quiet_since = now
-                return
-            if now - self._quiet_since < 20.0:
-                return
-        if self._set_state(ReplicaState.DRAINED, only_from=ReplicaState.DRAINING):
-            log.info("replica %s drained", self.name)
-            if self.moving_to:
-                self._start_move()
-
-    def _start_move(self) -> None:
-        if not self.moving_to or not self._set_state(ReplicaState.MOVING, only_from=ReplicaState.DRAINED):
-            return
-        threading.Thread(target=self._move, name=f"move-{self.name}", daemon=True).start()
-
-    def _move(self) -> None:
-        """Load the other model (seconds for a real one: off the batching loop), switch
-        the consumer to its queue, and serve it."""
-        old, new = self.model, self.moving_to
-        try:
-            assert self.load_engine is not None
-            engine = self.load_engine(new) if new != old else self.engine
-            self.switch_queue(p.queue_name(old), p.queue_name(new))
-        except Exception:
-            log.exception("could not move %s to %s; it stays drained on %s", self.name, new, old)
-            self.moving_to = ""
-            self._set_state(ReplicaState.DRAINED, only_from=ReplicaState.MOVING)
-            return
-        with self._cond:
-            self.engine, self.model = engine, new
-            self.collector.config.batch_ms = engine.expected_batch_ms()
-            self._peer_launches, self._peer_idle = [], True
-        self.moving_to = ""
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(p.idle_key(old), self.name)
-            pipe.set(p.assignment_key(self.name), new)  # kept across a restart (control/cli.py)
-            pipe.execute()
-        except redis.RedisError:
-            log.warning("could not record the move of %s to %s", self.name, new)
-        self._set_state(ReplicaState.SERVING, only_from=ReplicaState.MOVING)
-        self._rejoin_idle()
-        log.info("replica %s moved from %s to %s", self.name, old, new)
-        self.wake()
-
     def wants_messages(self) -> bool:
         """May the consumer pull another request from the shared queue now?
 
@@ -1006,6 +864,148 @@ class Replica:
         if not self.busy and self.state.takes_work:
             self._mark_idle(pipe, refresh_only=self._loop.is_alive())
         pipe.execute()
+
+    # -- operator actions: drain, resume, move (states: control/lifecycle.py) ----------
+
+    def _is_taking(self) -> bool:
+        return not self._stopping and self.state.takes_work
+
+    def _is_flushing(self) -> bool:
+        """Run what is buffered now, without waiting to fill a batch."""
+        return self._stopping or not self.state.takes_work
+
+    def _num_running(self) -> int:
+        if self.engine.continuous:
+            return len(self._joined)
+        return self.stats.last_batch_size if self.busy else 0
+
+    def _set_state(self, wanted: ReplicaState, only_from: ReplicaState | None = None) -> bool:
+        """Move to `wanted` (IllegalTransition if the table forbids it); with `only_from`,
+        only if the replica is in that state now (else False: another thread moved it)."""
+        with self._cond:
+            if only_from is not None and self.state != only_from:
+                return False
+            self.state = transition(self.state, wanted)
+            self._quiet_since = None
+            self._cond.notify_all()
+        try:
+            self._publish_state()
+        except redis.RedisError:
+            log.warning("could not publish the state %s", wanted.label)
+        return True
+
+    def drain(self) -> ReplicaState:
+        """Take no new work; finish what is held; then report drained. Idempotent."""
+        if self.state in (ReplicaState.DRAINING, ReplicaState.DRAINED):
+            return self.state
+        self._set_state(ReplicaState.DRAINING)
+        try:  # peers must not count on this replica for the next batch
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(p.idle_key(self.model), self.name)
+            pipe.zrem(p.launch_key(self.model), self.name)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not leave the idle and launch lists")
+        return self.state
+
+    def resume(self) -> ReplicaState:
+        """Serve again (a drain is called off). Idempotent."""
+        if self.state == ReplicaState.MOVING:
+            raise ValueError("a moving replica serves again once its new model is loaded")
+        if self.state != ReplicaState.SERVING:
+            self.moving_to = ""
+            self._set_state(ReplicaState.SERVING)
+            self._rejoin_idle()
+            self.wake()  # the consumer asks the gate again
+        return self.state
+
+    def _rejoin_idle(self) -> None:
+        """Back in the model's idle list (a heartbeat only refreshes an entry), so peers
+        leave new work to it as to any idle replica."""
+        if self.busy:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            self._mark_idle(pipe)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not rejoin the idle list")
+
+    def move(self, model: str) -> ReplicaState:
+        """Drain, then load `model`, consume its queue instead and serve it."""
+        if self.load_engine is None:
+            raise IllegalTransition(self.state, ReplicaState.MOVING)
+        if model == self.model and self.state == ReplicaState.SERVING:
+            return self.state
+        if self.state == ReplicaState.MOVING or not (
+            self.state == ReplicaState.DRAINED or can_transition(self.state, ReplicaState.DRAINING)
+        ):
+            raise IllegalTransition(self.state, ReplicaState.MOVING)
+        self.moving_to = model
+        state = self.drain()
+        self._check_drained()
+        return state
+
+    def _check_drained(self) -> None:
+        """A draining replica that holds nothing, and whose consumer has no pull in
+        flight, twice in a row at least 20 ms apart (a pull decided just before the gate
+        shut may start a moment later), is drained; a drained one with a move to make
+        makes it."""
+        if self.state == ReplicaState.DRAINED and self.moving_to:
+            self._start_move()
+            return
+        if self.state != ReplicaState.DRAINING:
+            return
+        with self._cond:
+            quiet = not self.collector and not self.busy and not self._joined and not self.is_polling()
+            now = _monotonic_ms()
+            if not quiet:
+                self._quiet_since = None
+                return
+            if self._quiet_since is None:
+                self._quiet_since = now
+                return
+            if now - self._quiet_since < 20.0:
+                return
+        if self._set_state(ReplicaState.DRAINED, only_from=ReplicaState.DRAINING):
+            log.info("replica %s drained", self.name)
+            if self.moving_to:
+                self._start_move()
+
+    def _start_move(self) -> None:
+        if not self.moving_to or not self._set_state(ReplicaState.MOVING, only_from=ReplicaState.DRAINED):
+            return
+        threading.Thread(target=self._move, name=f"move-{self.name}", daemon=True).start()
+
+    def _move(self) -> None:
+        """Load the other model (seconds for a real one: off the batching loop), switch
+        the consumer to its queue, and serve it."""
+        old, new = self.model, self.moving_to
+        try:
+            assert self.load_engine is not None
+            engine = self.load_engine(new) if new != old else self.engine
+            self.switch_queue(p.queue_name(old), p.queue_name(new))
+        except Exception:
+            log.exception("could not move %s to %s; it stays drained on %s", self.name, new, old)
+            self.moving_to = ""
+            self._set_state(ReplicaState.DRAINED, only_from=ReplicaState.MOVING)
+            return
+        with self._cond:
+            self.engine, self.model = engine, new
+            self.collector.config.batch_ms = engine.expected_batch_ms()
+            self._peer_launches, self._peer_idle = [], True
+        self.moving_to = ""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(p.idle_key(old), self.name)
+            pipe.set(p.assignment_key(self.name), new)  # kept across a restart (control/cli.py)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not record the move of %s to %s", self.name, new)
+        self._set_state(ReplicaState.SERVING, only_from=ReplicaState.MOVING)
+        self._rejoin_idle()
+        log.info("replica %s moved from %s to %s", self.name, old, new)
+        self.wake()
 
 
 def _numeric(stats: dict[str, object]) -> dict[str, float]:
