@@ -105,8 +105,9 @@ class Operator:
         return FleetSnapshot(replicas, read_traffic(self.redis, models, window_s))
 
     def live(self) -> dict[str, dict[str, Any]]:
-        """What each replica answers itself over remote control within 1 s (the registry
-        shows the same, a heartbeat later; a replica missing here is not listening)."""
+        """What each replica answers itself over remote control within 1 s: the fields of
+        its registry hash, as of now rather than its last heartbeat (a replica missing here
+        is not listening)."""
         replies = self._app().control.broadcast("kb_replica", reply=True, timeout=REPLY_TIMEOUT_S)
         return {name: answer for reply in replies or [] for name, answer in reply.items()}
 

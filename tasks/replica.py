@@ -833,10 +833,11 @@ class Replica:
             return {}
         return {f"{ENGINE_PREFIX}{k}": round(v, 3) for k, v in _numeric(stats()).items()}
 
-    def _publish_state(self) -> None:
+    def report(self) -> dict[str, EncodableT]:
+        """What the replica publishes in the registry (and answers over remote control)."""
         with self._cond:
             buffered = len(self.collector)
-        fields: dict[str, EncodableT] = {
+        return {
             "model": self.model,
             "state": self.state.label,
             "held": buffered + self._num_running(),
@@ -855,6 +856,9 @@ class Replica:
             **self.perf.as_fields(_monotonic_ms()),
             **self._engine_fields(),
         }
+
+    def _publish_state(self) -> None:
+        fields = self.report()
         key = p.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)
         # redis-py types the mapping's keys invariantly as FieldT, which refuses a dict[str, ...].

@@ -176,7 +176,7 @@ def _act(state: Any, action: Callable[[Replica], object]) -> dict[str, Any]:
         action(replica)
     except (IllegalTransition, ValueError) as exc:
         return {"ok": False, "error": str(exc), "state": replica.state.label, "model": replica.model}
-    return {"ok": True, "state": replica.state.label, "model": replica.model, "moving_to": replica.moving_to}
+    return {"ok": True, **replica.report()}
 
 
 @control_command()
@@ -201,7 +201,7 @@ def kb_move(state: Any, model: str) -> dict[str, Any]:
 
 @inspect_command()
 def kb_replica(state: Any) -> dict[str, Any]:
-    """keybatch: the replica's state, model and what it holds."""
+    """keybatch: the replica's state, model, load: what it publishes in the registry."""
     return _act(state, lambda r: None)
 
 

@@ -90,6 +90,7 @@ def test_fleet_json_lists_every_replica(two_models: Deployment) -> None:
     assert decisions and all(d["reason"] and not d["replica"] for d in decisions)  # idle: nothing to move
     live = operator(two_models).live()  # each replica answers over remote control too
     assert {n: a["state"] for n, a in live.items()} == {r["id"]: "serving" for r in replicas}
+    assert {n: a["pid"] for n, a in live.items()} == {r["id"]: r["pid"] for r in replicas}
 
 
 def test_drain_under_load_fails_nothing_then_resume_serves_again(two_models: Deployment) -> None:
