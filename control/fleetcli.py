@@ -11,6 +11,7 @@ import threading
 import redis
 
 from control.ops import ActionResult, FleetSnapshot, Operator, OperatorError
+from control.rebalance import Decision
 from control.settings import Settings
 
 
@@ -132,16 +133,13 @@ def _rebalance(op: Operator, args: argparse.Namespace) -> int:
     stop = threading.Event()
     if args.auto:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    failed = False
+    failed, last = False, ""
     try:
         for decisions, results in op.rebalance(auto=args.auto, every_s=args.every, stop=stop):
-            for d in decisions:
-                if args.json:
-                    print(
-                        json.dumps({"reason": d.reason, "replica": d.replica, "from": d.from_model, "to": d.to_model})
-                    )
-                else:
-                    print(f"move {d.replica}: {d.from_model} -> {d.to_model}: {d.reason}" if d.is_move else d.reason)
+            lines = [_decision_line(d, args.json) for d in decisions]
+            if "\n".join(lines) != last:  # --auto: a decision is printed when it changes
+                print(*lines, sep="\n")
+                last = "\n".join(lines)
             for r in results:
                 failed |= _report(r, args.json) != 0
             sys.stdout.flush()
@@ -150,5 +148,10 @@ def _rebalance(op: Operator, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _decision_line(d: Decision, as_json: bool) -> str:
+    if as_json:
+        return json.dumps({"reason": d.reason, "replica": d.replica, "from": d.from_model, "to": d.to_model})
+    return f"move {d.replica}: {d.from_model} -> {d.to_model}: {d.reason}" if d.is_move else d.reason
+
+
 _COMMANDS = {"fleet": _fleet, "drain": _drain, "resume": _resume, "move": _move, "rebalance": _rebalance}
-FLEET_COMMANDS = tuple(_COMMANDS)
