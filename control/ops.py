@@ -1,7 +1,7 @@
 """The operator's API: see the fleet, drain, resume, move, rebalance.
 
 One place shared by the `keybatch` commands and the dashboard. Reading is Redis only
-(`snapshot`: two round trips, cheap enough to poll every second); acting goes through
+(`snapshot`: four round trips, cheap enough to poll every second); acting goes through
 Celery's remote control to the replica itself (`kb_drain`, `kb_resume`, `kb_move`,
 defined in tasks/worker.py), which changes its state through control/lifecycle.py.
 The caller needs the broker's credentials, nothing more (docs/decisions/0014).

@@ -988,6 +988,7 @@ class Replica:
         try:
             assert self.load_engine is not None
             engine = self.load_engine(new) if new != old else self.engine
+            self._finish_old_model()
             self.switch_queue(p.queue_name(old), p.queue_name(new))
         except Exception:
             log.exception("could not move %s to %s; it stays drained on %s", self.name, new, old)
@@ -1010,6 +1011,15 @@ class Replica:
         self._rejoin_idle()
         log.info("replica %s moved from %s to %s", self.name, old, new)
         self.wake()
+
+    def _finish_old_model(self, timeout_s: float = 30.0) -> None:
+        """Run anything of the old model still here before its engine goes (none, unless a
+        pull slipped past the drained check): the loop runs it, as the replica takes no work."""
+        deadline = _monotonic_ms() + timeout_s * 1000
+        while self.collector or self.busy or self._joined:
+            if _monotonic_ms() > deadline:
+                raise TimeoutError("requests of the old model still running")
+            self._stopped.wait(0.01)
 
 
 def _numeric(stats: dict[str, object]) -> dict[str, float]:
