@@ -23,7 +23,7 @@ from celery import Celery
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control import admission, failover
+from control import admission, failover, traffic
 from control import protocol as p
 from control.admission import Capacity, Limits, Verdict
 from control.clock import BrokerClock, Clock
@@ -44,7 +44,8 @@ CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
 # ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
-#       done key ('' when the answer is not kept), this gateway, request key.
+#       done key ('' when the answer is not kept), this gateway, request key, the traffic
+#       field this arrival counts in (control/traffic.py).
 # Returns {status, paid waiting, free waiting, extra}: 1 admitted; 2 answered before
 # (extra: the stored answer); 3 in flight, joined (extra: its attempt); -1 too deep.
 ADMIT_LUA = (
@@ -90,8 +91,11 @@ if KEYS[5] then
   local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
   if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
 end
+ARRIVAL_LUA
 return {1, paid, free, ''}
-""".replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS)).replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
+""".replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS))
+    .replace("ARRIVAL_LUA", traffic.ARRIVAL_LUA)
+    .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
 )
 
 
@@ -350,7 +354,8 @@ class Gateway:
         owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}"
         done = p.done_key(job.key) if job.keep_ms else ""
         now = self.clock.now_ms()
-        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key]
+        arrival = traffic.arrival_field(job.model, job.tier)
+        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
         try:
             status, paid, free, extra = self._admit(keys, args)
         except redis.RedisError as exc:

@@ -102,6 +102,11 @@ def replica_key(name: str) -> str:
     return f"{PREFIX}:replica:{name}"
 
 
+def assignment_key(name: str) -> str:
+    """The model a replica was moved to: it serves that one again after a restart."""
+    return f"{PREFIX}:assign:{name}"
+
+
 class Job(BaseModel):
     """The payload of one Celery task: one completion request.
 
