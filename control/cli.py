@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_fleet_args(sub)
 
+    dash = sub.add_parser("dash", help="the operators' terminal dashboard (Textual)")
+    dash.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the fleet")
+    dash.add_argument("--slo-ms", type=float, default=600.0, help="the end-to-end p99 the fleet promises")
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
     return top
@@ -177,6 +180,14 @@ def _load(settings: Settings, args: argparse.Namespace) -> int:
     return run_load(args)
 
 
+def _dash(settings: Settings, args: argparse.Namespace) -> int:
+    from control.ops import Operator
+    from tui.dash import run_dash
+
+    run_dash(Operator(settings), args.poll_s, args.slo_ms)
+    return 0
+
+
 def _flower(settings: Settings, args: argparse.Namespace) -> int:
     from tasks.app import make_celery
 
@@ -210,6 +221,7 @@ COMMANDS = {
     "bench": _bench,
     "load": _load,
     "flower": _flower,
+    "dash": _dash,
     "chaos": _chaos,
     "model": _model,
     **dict.fromkeys(("fleet", "drain", "resume", "move", "rebalance"), _fleet),
