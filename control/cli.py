@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--slo-ms", type=float, default=600.0, help="the end-to-end p99 the fleet promises")
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
+    flower.add_argument(
+        "--address", default="127.0.0.1", help="where to listen; anything but loopback needs --basic-auth"
+    )
+    flower.add_argument(
+        "--basic-auth", default=None, help="user:password (or set FLOWER_BASIC_AUTH); required off loopback"
+    )
     return top
 
 
@@ -189,10 +195,26 @@ def _dash(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _flower(settings: Settings, args: argparse.Namespace) -> int:
+    import ipaddress
+
     from tasks.app import make_celery
 
-    app = make_celery(settings)
-    app.start(["flower", f"--port={args.flower_port}"])
+    auth = args.basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
+    try:
+        loopback = ipaddress.ip_address(args.address).is_loopback
+    except ValueError:
+        loopback = args.address == "localhost"
+    if not loopback and not auth:
+        print(
+            f"refusing to serve Flower on {args.address} without credentials: "
+            "give --basic-auth user:password (or FLOWER_BASIC_AUTH), or listen on 127.0.0.1",
+            file=sys.stderr,
+        )
+        return 2
+    argv = ["flower", f"--port={args.flower_port}", f"--address={args.address}"]
+    if auth:
+        argv.append(f"--basic-auth={auth}")
+    make_celery(settings).start(argv)
     return 0
 
 
