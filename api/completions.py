@@ -182,6 +182,9 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
         gw.metrics.requests.labels(job.model, job.tier, str(status)).inc()
         if isinstance(item, p.Result):
             gw.metrics.latency.labels(job.model, job.tier).observe((now - job.received_ms) / 1000)
+            gw.metrics.queue_time.labels(job.model, job.tier).observe(
+                max(0.0, item.batch_start_ms - job.received_ms) / 1000
+            )
             batch = item.batch_end_ms - item.batch_start_ms
             gw.metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
             gw.metrics.batch_size.observe(item.batch_size)
@@ -242,11 +245,13 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
             gw.abandon(waiter)
             raise
         head = {"id": waiter.request_id, "object": "text_completion", "model": waiter.job.model}
-        sent = 0
+        sent, first_seen = 0, False
         watch = hangup_event(request.environ)
         try:
             for chunks in gw.stream(waiter, watch.event if watch is not None else None):
                 text, sent = _new_text(chunks, sent)
+                if text and not first_seen:
+                    first_seen = _first_token(gw, waiter)
                 if text:
                     yield _event(head, text, None)
         finally:
@@ -259,6 +264,8 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
             yield "data: [DONE]\n\n"
             return
         choice = body["choices"][0]
+        if choice["text"][sent:] and not first_seen:  # an engine that sends its text whole
+            first_seen = _first_token(gw, waiter)
         if choice["text"][sent:]:
             yield _event(body, choice["text"][sent:], None)
         done = {**body, "choices": [{**choice, "text": ""}]}
@@ -269,6 +276,12 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
     resp.headers["X-Request-Id"] = waiter.request_id
     resp.headers["Cache-Control"] = "no-cache"
     return resp
+
+
+def _first_token(gw: Gateway, waiter: Waiter) -> bool:
+    ttft_s = (gw.clock.now_ms() - waiter.job.received_ms) / 1000
+    gw.metrics.ttft.labels(waiter.job.model, waiter.job.tier).observe(ttft_s)
+    return True
 
 
 def _new_text(chunks: list[p.Chunk], sent: int) -> tuple[str, int]:

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from control.fleet import FleetView
+from control.traffic import read_traffic
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 2.0, 5.0)
 _OVERHEAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
@@ -30,8 +31,22 @@ class Metrics:
             registry=r,
         )
         self.latency = Histogram(
-            "keybatch_request_seconds",
+            "keybatch_e2e_request_latency_seconds",
             "End-to-end time inside the gateway for answered completions",
+            ["model", "tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "keybatch_request_queue_time_seconds",
+            "Time from admission to the start of the batch (or the engine step) that ran the request",
+            ["model", "tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "keybatch_time_to_first_token_seconds",
+            "Time from admission to the first streamed text",
             ["model", "tier"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -100,6 +115,26 @@ def _engine_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
     yield hit_rate
 
 
+def _queue_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
+    """Queue depth and the oldest waiting request per model and tier, read off the broker
+    at scrape time (the whole deployment, not this process)."""
+    waiting = GaugeMetricFamily(
+        "keybatch_num_requests_waiting", "Requests admitted and not yet in a batch", labels=["model", "tier"]
+    )
+    oldest = GaugeMetricFamily(
+        "keybatch_oldest_waiting_seconds", "Age of the oldest request in the queue", labels=["model", "tier"]
+    )
+    models = sorted({rep.model for rep in fleet.replicas})
+    try:
+        rows = read_traffic(fleet.client, models, window_s=1) if models else []
+    except Exception:  # a scrape must answer even while the broker does not
+        rows = []
+    for row in rows:
+        waiting.add_metric([row.model, row.tier], row.num_queued)
+        oldest.add_metric([row.model, row.tier], row.oldest_ms / 1000)
+    yield from (waiting, oldest)
+
+
 class _FleetCollector(Collector):
     """Replica figures from the registry the gateway already keeps a copy of."""
 
@@ -122,6 +157,35 @@ class _FleetCollector(Collector):
             "Requests the replica dropped before a batch",
             labels=["replica", "model", "reason"],
         )
+        running = GaugeMetricFamily(
+            "keybatch_num_requests_running",
+            "Requests a replica holds: buffered for its next batch, or running (slots in use on a continuous engine)",
+            labels=["replica", "model"],
+        )
+        batch_now = GaugeMetricFamily(
+            "keybatch_batch_current_size", "Size of the replica's last batch (running requests at its last step)",
+            labels=["replica", "model"],
+        )  # fmt: skip
+        duration = GaugeMetricFamily(
+            "keybatch_batch_duration_seconds",
+            "A batch (static) or an engine step (continuous) on the replica, recent quantiles",
+            labels=["replica", "model", "quantile"],
+        )
+        utilization = GaugeMetricFamily(
+            "keybatch_replica_utilization",
+            "Share of the last 10 s the replica spent running batches or steps",
+            labels=["replica", "model"],
+        )
+        wasted_slots = CounterMetricFamily(
+            "keybatch_wasted_slots",
+            "Batch slots spent on requests whose client had gone (cancelled, superseded, hung up, expired)",
+            labels=["replica", "model"],
+        )
+        wasted_seconds = CounterMetricFamily(
+            "keybatch_wasted_model_seconds",
+            "Model time spent on requests whose client had gone (each request's share of its batches or steps)",
+            labels=["replica", "model"],
+        )
         for rep in self.fleet.replicas:
             labels = [rep.name, rep.model]
             ready.add_metric(labels, float(rep.is_ready))
@@ -130,6 +194,15 @@ class _FleetCollector(Collector):
             buffered.add_metric(labels, rep.buffered)
             for reason, n in rep.dropped.items():
                 dropped.add_metric([*labels, reason], n)
+            running.add_metric(labels, rep.num_held)
+            batch_now.add_metric(labels, rep.last_batch_size)
+            duration.add_metric([*labels, "0.5"], rep.batch_p50_ms / 1000)
+            duration.add_metric([*labels, "0.99"], rep.batch_p99_ms / 1000)
+            utilization.add_metric(labels, rep.utilization)
+            wasted_slots.add_metric(labels, rep.wasted_slots)
+            wasted_seconds.add_metric(labels, rep.wasted_ms / 1000)
+        yield from (running, batch_now, duration, utilization, wasted_slots, wasted_seconds)
+        yield from _queue_families(self.fleet)
         yield from _engine_families(self.fleet)
         wasted = CounterMetricFamily(
             "keybatch_wasted_results",

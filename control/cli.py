@@ -86,8 +86,17 @@ def _parser() -> argparse.ArgumentParser:
 
     add_fleet_args(sub)
 
+    dash = sub.add_parser("dash", help="the operators' terminal dashboard (Textual)")
+    dash.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the fleet")
+    dash.add_argument("--slo-ms", type=float, default=600.0, help="the end-to-end p99 the fleet promises")
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
+    flower.add_argument(
+        "--address", default="127.0.0.1", help="where to listen; anything but loopback needs --basic-auth"
+    )
+    flower.add_argument(
+        "--basic-auth", default=None, help="user:password (or set FLOWER_BASIC_AUTH); required off loopback"
+    )
     return top
 
 
@@ -199,11 +208,35 @@ def _load(settings: Settings, args: argparse.Namespace) -> int:
     return run_load(args)
 
 
+def _dash(settings: Settings, args: argparse.Namespace) -> int:
+    from control.ops import Operator
+    from tui.dash import run_dash
+
+    run_dash(Operator(settings), args.poll_s, args.slo_ms)
+    return 0
+
+
 def _flower(settings: Settings, args: argparse.Namespace) -> int:
+    import ipaddress
+
     from tasks.app import make_celery
 
-    app = make_celery(settings)
-    app.start(["flower", f"--port={args.flower_port}"])
+    auth = args.basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
+    try:
+        loopback = ipaddress.ip_address(args.address).is_loopback
+    except ValueError:
+        loopback = args.address == "localhost"
+    if not loopback and not auth:
+        print(
+            f"refusing to serve Flower on {args.address} without credentials: "
+            "give --basic-auth user:password (or FLOWER_BASIC_AUTH), or listen on 127.0.0.1",
+            file=sys.stderr,
+        )
+        return 2
+    argv = ["flower", f"--port={args.flower_port}", f"--address={args.address}"]
+    if auth:
+        argv.append(f"--basic-auth={auth}")
+    make_celery(settings).start(argv)
     return 0
 
 
@@ -232,6 +265,7 @@ COMMANDS = {
     "bench": _bench,
     "load": _load,
     "flower": _flower,
+    "dash": _dash,
     "chaos": _chaos,
     "model": _model,
     **dict.fromkeys(("fleet", "drain", "resume", "move", "rebalance"), _fleet),

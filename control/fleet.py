@@ -59,6 +59,8 @@ class ReplicaInfo:
     utilization: float = 0.0  # share of the last 10 s spent running batches or steps
     heartbeat_age_ms: float = 0.0  # broker clock now minus the replica's last publish
     moving_to: str = ""
+    wasted_slots: int = 0  # slots run for requests whose client had gone
+    wasted_ms: float = 0.0  # their share of the model's time
 
     @property
     def is_ready(self) -> bool:
@@ -87,6 +89,8 @@ class ReplicaInfo:
             utilization=_number(f.get("utilization", "0")),
             heartbeat_age_ms=max(0.0, now_ms - seen_ms) if now_ms and seen_ms else 0.0,
             moving_to=f.get("moving_to", ""),
+            wasted_slots=int(_number(f.get("wasted_slots", "0"))),
+            wasted_ms=_number(f.get("wasted_ms", "0")),
             backend=f.get("backend", "?"),
             max_batch=int(f.get("max_batch", 0)),
             batch_ms=float(f.get("batch_ms", 0.0)),

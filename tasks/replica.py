@@ -69,12 +69,20 @@ class Stats:
     num_requests: int = 0
     last_batch_size: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
+    wasted_slots: int = 0  # slots run for requests whose client had gone
+    wasted_ms: float = 0.0  # their share of the model's time
 
-    def as_fields(self) -> dict[str, int]:
-        fields = {
+    def waste(self, slots: int, share_ms: float) -> None:
+        self.wasted_slots += slots
+        self.wasted_ms += slots * share_ms
+
+    def as_fields(self) -> dict[str, float]:
+        fields: dict[str, float] = {
             "num_batches": self.num_batches,
             "num_requests": self.num_requests,
             "last_batch_size": self.last_batch_size,
+            "wasted_slots": self.wasted_slots,
+            "wasted_ms": round(self.wasted_ms, 1),
         }
         for reason in ("cancelled", "superseded", "expired", "gone"):
             fields[f"dropped_{reason}"] = self.dropped[reason]
@@ -506,7 +514,9 @@ class Replica:
         self._mark_idle(pipe)
         self._lease_commands(pipe)
         pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
-        self.gate.peers(launches=self._others(pipe.execute()[-1]))
+        replies = pipe.execute()
+        self.stats.waste(int(replies[0][1]), (end - start) / len(jobs))  # DELIVER: results nobody waited for
+        self.gate.peers(launches=self._others(replies[-1]))
         with self._cond:  # the phase of the next batch, now that this one is done
             self.collector.stagger_from(self.gate.peer_launches, len(jobs), self.clock.now_ms())
 
@@ -671,10 +681,12 @@ class Replica:
         """A running request whose client went (or whose deadline passed) leaves at this
         step: its slot is free for the next request."""
         gone: dict[str, list[Pending]] = defaultdict(list)
-        for attempt, (pending, _joined) in list(self._joined.items()):
+        running = max(1, len(self._joined))
+        for attempt, (pending, joined) in list(self._joined.items()):
             reason = reasons.get(attempt) or ("expired" if now_ms > pending.deadline_ms else None)
             if reason is None:
                 continue
+            self.stats.waste(1, max(0.0, now_ms - joined) / running)  # ran until now for nobody
             self.engine.abort_request(attempt)
             del self._joined[attempt]
             self._sent.pop(attempt, None)
@@ -720,6 +732,7 @@ class Replica:
         end = self.clock.now_ms()
         items: list[object] = []
         jobs: list[p.Job] = []
+        shares: list[float] = []
         for pending, out in finished:
             _pd, start = self._joined.pop(out.id)
             self._sent.pop(out.id, None)
@@ -727,11 +740,13 @@ class Replica:
             output = Output.of(out)
             items.append(self._result(job, output, num_running, start, end))
             jobs.append(job)
+            shares.append((end - start) / max(1, num_running))
         pipe = self.redis.pipeline(transaction=False)
         self._reply(pipe, items, jobs)
         traffic.record_done(pipe, self.model, ((job.tier, end - job.received_ms) for job in jobs), end)
         self._lease_commands(pipe)
-        pipe.execute()
+        wasted = int(pipe.execute()[0][1])  # DELIVER: results nobody waited for
+        self.stats.waste(wasted, sum(shares) / len(shares))
         self.stats.num_batches += 1
         self.stats.num_requests += len(jobs)
         self.stats.last_batch_size = num_running
