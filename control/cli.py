@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_model_args(sub.add_parser("model", help="build the local code models, or measure their quality"))
 
+    from control.capacity import add_capacity_args
+
+    add_capacity_args(sub.add_parser("capacity", help="capacity arithmetic and simulation at any request rate"))
+
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
     return top
@@ -162,6 +166,12 @@ def _chaos(settings: Settings, args: argparse.Namespace) -> int:
     return run_chaos(settings, args)
 
 
+def _capacity(settings: Settings, args: argparse.Namespace) -> int:
+    from control.capacity import run_capacity
+
+    return run_capacity(args)
+
+
 def _model(settings: Settings, args: argparse.Namespace) -> int:
     from control.models import run_model
 
@@ -177,4 +187,5 @@ COMMANDS = {
     "flower": _flower,
     "chaos": _chaos,
     "model": _model,
+    "capacity": _capacity,
 }
