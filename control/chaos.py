@@ -115,8 +115,9 @@ class Deployment:
     """One `keybatch up` subprocess; its processes are found by role among its
     descendants each time they are needed (a supervisor may have replaced them)."""
 
-    def __init__(self, name: str, replicas: int, env: dict[str, str]) -> None:
+    def __init__(self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None) -> None:
         self.name = name
+        self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
         self.env = env
         self.port = _free_port()
@@ -131,7 +132,9 @@ class Deployment:
         cmd += ["--workers", str(self.replicas_wanted)]
         cmd += ["--models", MODEL, "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=logfile, text=True)
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=logfile, text=True
+            )
         self._wait_ready()
         self.remember()
 

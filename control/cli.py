@@ -51,13 +51,23 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from control.cliargs import add_engine_bench_args, add_load_args, add_peer_args, add_policies_args, add_serving_args
+    from control.cliargs import (
+        add_engine_bench_args,
+        add_gateway_cpu_args,
+        add_load_args,
+        add_peer_args,
+        add_policies_args,
+        add_serving_args,
+    )
 
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
     add_policies_args(bench_sub.add_parser("policies", help="static against continuous batching on a real model"))
     add_engine_bench_args(bench_sub.add_parser("engine", help="the torch engine's step time: decode and prefill"))
     add_peer_args(
         bench_sub.add_parser("peer", help="keybatch against transformers serve (needs `pip install -e .[peer]`)")
+    )
+    add_gateway_cpu_args(
+        bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
     )
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
     from control.cliargs import add_chaos_args
@@ -143,6 +153,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.peerbench import run_peer
 
         return run_peer(settings, args)
+    if args.bench == "gateway-cpu":
+        from control.cpubench import run_gateway_cpu
+
+        return run_gateway_cpu(args)
     return bench.run_serving(settings, args)
 
 

@@ -167,3 +167,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     quality.add_argument("-n", type=int, default=200, help="prompts")
     quality.add_argument("--seed", type=int, default=0, help="which prompts")
     quality.add_argument("--json", default=None, help="write the figures here")
+
+
+def add_gateway_cpu_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkout", required=True, help="the other checkout (a git worktree) to compare with")
+    p.add_argument("--rate", type=float, default=300.0, help="offered requests per second")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of measured load per run")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each side, interleaved")
+    p.add_argument("--workers", type=int, default=2, help="replicas")
+    p.add_argument("--json", default=None, help="write all figures here")

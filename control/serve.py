@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -15,7 +14,9 @@ import orjson
 from gunicorn.app.base import BaseApplication
 
 from control.broker import pid_alive
+from control.headers import read_headers
 from control.memory import freeze_startup_objects
+from control.redis_internals import unpatched_pool_checks
 from control.settings import Settings
 
 KEEPALIVE_S = 5
@@ -187,55 +188,6 @@ def _worker_class(settings: Settings) -> type:
     return Worker
 
 
-MAX_HEADER_LINE = 65_536  # the limits of http.client, which pywsgi parses with
-MAX_HEADERS = 100
-
-
-def read_headers(fp: Any) -> Any:
-    """The request's header block, as the message object pywsgi expects.
-
-    pywsgi hands the block to http.client.parse_headers, which runs it through
-    the email package's feed parser: 9% of the gateway's CPU per request here.
-    The header block of an HTTP request needs much less: a line per field,
-    split at the first colon. A malformed block (a name that is not a token,
-    space before the colon, a bare CR or NUL, too long, too many) sets `status`,
-    which pywsgi answers with 400; obsolete line folding is joined with a space
-    (RFC 9112 5.2). docs/decisions/0006.
-    """
-    from gevent.pywsgi import OldMessage
-
-    message = OldMessage()
-    fields = message._headers  # email.message.Message keeps (name, value) pairs here
-    for _ in range(MAX_HEADERS + 1):
-        line = fp.readline(MAX_HEADER_LINE + 1)
-        if len(line) > MAX_HEADER_LINE:
-            message.status = "Line too long"
-            return message
-        if line in (b"\r\n", b"\n", b""):
-            return message
-        text = line.decode("iso-8859-1").removesuffix("\n").removesuffix("\r")
-        if "\r" in text or "\0" in text:
-            message.status = "Invalid header line"
-            return message
-        if text[0] in " \t":
-            if not fields:
-                message.status = "Invalid header line"
-                return message
-            name, value = fields[-1]
-            fields[-1] = (name, (value + " " + text.strip(" \t")).strip(" \t"))
-            continue
-        name, colon, value = text.partition(":")
-        if not colon or not _TOKEN.fullmatch(name):
-            message.status = "Invalid header line"
-            return message
-        fields.append((name, value.strip(" \t")))
-    message.status = "Too many headers"
-    return message
-
-
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.1: a field name
-
-
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -281,32 +233,8 @@ def _init_worker(worker: Any) -> None:
     gateway = worker.wsgi.extensions["keybatch"]
     gateway.is_serving = lambda: worker.alive
     gateway.start()  # the registry is read before the first request, not by it
-    _unpatched_pool_checks()
+    unpatched_pool_checks()
     freeze_startup_objects()
-
-
-def _unpatched_pool_checks() -> None:
-    """Let redis-py check pooled connections with the real `select.poll`.
-
-    Before lending a connection, redis-py polls its socket with a zero timeout
-    (is there stale data, did the server close it?). Under gevent's monkey
-    patching that poll builds and starts event-loop watchers (18 us a check
-    here, 7% of the gateway's CPU), for a check that never blocks. The original
-    poll answers the same question with one syscall (1.8 us).
-    """
-    import select
-    import types
-
-    from gevent import monkey
-
-    if not monkey.is_module_patched("select"):
-        return
-    from redis._parsers import hiredis
-
-    original = types.ModuleType("select")
-    original.__dict__.update(vars(select))
-    original.poll = monkey.get_original("select", "poll")  # type: ignore[attr-defined]  # ModuleType declares none
-    hiredis.select = original
 
 
 def _forget_worker_metrics(_server: Any, worker: Any) -> None:

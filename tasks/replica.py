@@ -30,6 +30,7 @@ from control.settings import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 from tasks.messages import job_from_message
+from tasks.pullgate import PullGate
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +124,11 @@ class Replica:
         self.clock = clock
         self.events = events or NoEvents()
         self.wake = wake or (lambda: None)
-        self.pull_lead_ms = pull_lead_ms
-        self._pull_at_ms = 0.0
-        self._ends_at_ms = 0.0
-        self._peer_idle = True  # until the first batch says otherwise
-        self._peer_launches: list[float] = []  # when the model's other replicas last started
+        self.gate = PullGate(config.max_batch, pull_lead_ms)
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self.stats = Stats()
         self.state = "starting"
-        self.busy = False
         self.envelope = envelope or (lambda job: job.model_dump_json())  # what a sweep re-queues
         self.lease_ms = lease_ms
         self.stall_ms = stall_ms
@@ -200,6 +196,7 @@ class Replica:
         self.state = "stopping"
         with self._cond:
             self._stopping = True
+            self.gate.stopping = True
             self._cond.notify_all()
         self._loop.join(timeout_s)
         self._stopped.set()
@@ -217,44 +214,26 @@ class Replica:
         except redis.RedisError:
             log.warning("could not leave the replica registry")
 
+    @property
+    def busy(self) -> bool:
+        return self.gate.busy
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        self.gate.busy = value
+
     def wants_messages(self) -> bool:
-        """May the consumer pull another request from the shared queue now?
-
-        An idle replica pulls up to two batches. A busy one pulls at most one
-        next batch, and only while no other replica of its model frees before
-        it: what arrives goes to whichever replica starts next. An idle peer
-        takes everything (low load: idle replicas first). Either way a busy
-        replica pulls from `pull_lead_ms` before it expects to be free. Read
-        without the lock: a stale answer costs one message at most.
-        """
-        if self._stopping:
-            return False
-        limit = self.collector.config.max_batch
-        if self.engine.continuous:  # enough to fill the free slots, and a few behind them
-            return len(self.collector) < self.engine.free_slots() + max(1, limit // 4)
-        if not self.busy:
-            return len(self.collector) < 2 * limit
-        if len(self.collector) >= limit:
-            return False
-        now = self.clock.now_ms()
-        if now >= self._pull_at_ms:
-            return True
-        return not self._peer_idle and not self._peers_free_first(now)
-
-    def _peers_free_first(self, now_ms: float) -> list[float]:
-        """The expected ends of the peers' batches that fall between now and this replica's end."""
-        batch_ms = self.engine.expected_batch_ms()
-        ends = (t + batch_ms for t in self._peer_launches)
-        return [end for end in ends if now_ms < end < self._ends_at_ms]
+        """May the consumer pull another request from the shared queue now (`PullGate`)?
+        Read without the lock: a stale answer costs one message at most."""
+        if self.engine.continuous:
+            return self.gate.wants_continuous(len(self.collector), self.engine.free_slots())
+        return self.gate.wants(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
     def reopens_at_ms(self) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""
-        if not self.busy or self._stopping or self.engine.continuous:
+        if self.engine.continuous:
             return None
-        if len(self.collector) >= self.collector.config.max_batch:
-            return self._ends_at_ms
-        first = self._peers_free_first(self.clock.now_ms())
-        return min(self._pull_at_ms, max(first)) if first and not self._peer_idle else self._pull_at_ms
+        return self.gate.reopens_at(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
     def submit(self, job: p.Job) -> None:
         """Buffer one request (called from the consumer's thread, right after it took the
@@ -384,10 +363,8 @@ class Replica:
             due = self.collector.wait_ms(now) == 0 or self._stopping
             batch = self.collector.pop_batch() if due else []
             if batch:
-                self._ends_at_ms = now + self.engine.expected_batch_ms()
-                self._pull_at_ms = self._ends_at_ms - self.pull_lead_ms
+                self.gate.start(now, self.engine.expected_batch_ms())
                 self._batch_started = _monotonic_ms()
-                self.busy = True
         if late_paid:  # those launched now are recorded by the launch itself (`_settle`)
             launched = {pending.id for pending in batch}
             self._hold([job for job, _raw in late_paid if job.id not in launched])
@@ -442,8 +419,7 @@ class Replica:
             pipe.zadd(p.launch_key(self.model), {self.name: now})
             pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
             *_, claimed, _, peers_idle, _, launches = pipe.execute()
-            self._peer_idle = peers_idle > 0
-            self._peer_launches = self._others(launches)
+            self.gate.peers(idle=peers_idle > 0, launches=self._others(launches))
             batch = self._keep_claimed(batch, claimed)
         else:
             pipe.execute()
@@ -503,9 +479,9 @@ class Replica:
         self._mark_idle(pipe)
         self._lease_commands(pipe)
         pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
-        self._peer_launches = self._others(pipe.execute()[-1])
+        self.gate.peers(launches=self._others(pipe.execute()[-1]))
         with self._cond:  # the phase of the next batch, now that this one is done
-            self.collector.stagger_from(self._peer_launches, len(jobs), self.clock.now_ms())
+            self.collector.stagger_from(self.gate.peer_launches, len(jobs), self.clock.now_ms())
 
     def _result(self, job: p.Job, out: Output, batch_size: int, start: float, end: float) -> p.Result | p.Failed:
         if out.error:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import partial
-from types import MethodType
 from typing import Any
 
 from celery import Celery, Task, bootsteps
@@ -23,6 +21,7 @@ from control import protocol as p
 from control.clock import BrokerClock, SystemClock
 from control.memory import freeze_startup_objects
 from control.settings import Settings
+from tasks import celery_internals, kombu_internals
 from tasks.collector import CollectorConfig, Pending
 from tasks.engine import Engine
 from tasks.replica import Replica, held
@@ -143,9 +142,9 @@ class ReplicaStep(bootsteps.StartStopStep):
                 max_clock_error_ms=s.max_clock_error_ms,
             )
             self.replica.start()
-            _reconnect_quickly(c)
+            celery_internals.reconnect_quickly(c)
             _gate_consumer(c, self.replica)
-            _pace_events(c, s.event_flush_ms / 1000.0)
+            celery_internals.pace_events(c, s.event_flush_ms / 1000.0, buffer_limit=s.max_batch)
             freeze_startup_objects()
             log.info("replica %s serving %s with %s", c.hostname, spec.model, spec.engine.name)
         c.keybatch_replica = self.replica
@@ -161,79 +160,20 @@ def _noop() -> None:
     """Scheduled only to wake the consumer's loop so it asks the gate again."""
 
 
-def _pace_events(c: Any, interval_s: float) -> None:
-    """Publish buffered task events at most every `interval_s`, not once per loop pass.
-
-    With an event loop Celery buffers task events and flushes them on the next
-    pass, which for a replica means one Redis PUBLISH (a round trip, and a new
-    client object in kombu's fanout) for nearly every message: that was half of
-    a replica's CPU at 230 requests/s. Flushed on a timer instead, the events
-    of a whole batch go out in a few `task.multi` messages, which Flower reads
-    the same way (and a full buffer, `buffer_limit`, still flushes at once).
-    """
-    dispatcher = c.event_dispatcher
-    if not (dispatcher and dispatcher.enabled):
-        return
-    dispatcher.buffer_limit = max(dispatcher.buffer_limit, c.app.keybatch_spec.settings.max_batch)
-    scheduled = [False]
-
-    def flush() -> None:
-        scheduled[0] = False
-        dispatcher.flush()
-
-    def on_send_buffered() -> None:
-        if not scheduled[0]:
-            scheduled[0] = True
-            c.hub.call_later(interval_s, flush)
-
-    dispatcher.on_send_buffered = on_send_buffered
-
-
-RECONNECT_EVERY_S = (0.25, 0.25, 1.0)  # first retry, step, most between retries
-
-
-def _reconnect_quickly(c: Any) -> None:
-    """After a lost broker, retry the connection every 0.25-1 s rather than kombu's
-    default 2, 4, 6 ... s, which Celery's consumer does not let one configure: a broker
-    that is back in a second (restarted, or a Sentinel failover) serves again in about
-    one, not in up to six."""
-    start, step, most = RECONNECT_EVERY_S
-    ensure_connected = type(c).ensure_connected
-
-    def quick(conn: Any) -> Any:
-        conn.ensure_connection = partial(
-            conn.ensure_connection, interval_start=start, interval_step=step, interval_max=most
-        )
-        return ensure_connected(c, conn)
-
-    c.ensure_connected = quick
-
-
 def _gate_consumer(c: Any, replica: Replica) -> None:
-    """Let the replica decide when the consumer pulls from the queue.
-
-    The same hook Celery's own `worker_disable_prefetch` uses: the Redis
-    transport asks `qos.can_consume()` before every BRPOP. When the gate shuts,
-    a timer on the consumer's own loop reopens it at the replica's pull time,
-    so the loop does not sleep through it.
-    """
-    channel = c.task_consumer.channel
-    qos = channel.qos
+    """Let the replica decide when the consumer pulls from the queue (`PullGate`).
+    When the gate shuts, a timer on the consumer's own loop reopens it at the
+    replica's pull time, so the loop does not sleep through it."""
     timer_at = [0.0]
 
-    def can_consume(_self: Any) -> bool:
-        if replica.wants_messages():
-            return True
+    def reopen_timer() -> None:
         reopen_ms = replica.reopens_at_ms()
         if reopen_ms is not None and reopen_ms != timer_at[0]:
             timer_at[0] = reopen_ms
             delay_s = max(0.0, reopen_ms - replica.clock.now_ms()) / 1000.0 + 0.001
             c.hub.call_later(delay_s, _noop)
-        # A BRPOP already sent is let finish (one message at most): kombu's
-        # pausing of a pending BRPOP does not resume reliably on the hub.
-        return bool(channel._in_poll)
 
-    qos.can_consume = MethodType(can_consume, qos)
+    kombu_internals.gate_pulls(c.task_consumer.channel, replica.wants_messages, reopen_timer)
 
 
 def run_worker(settings: Settings, model: str, engine: Engine, name: str, loglevel: str = "INFO") -> None:

@@ -1,0 +1,85 @@
+"""When a replica's consumer may take another request from the shared queue. Policy
+code: no Celery, no Redis, no torch; time comes from the caller.
+
+Replicas of a model share one queue, and what a replica has pulled only it can run.
+So a replica pulls what it can start soon, and leaves the rest to whichever replica
+starts next:
+
+- An idle replica pulls up to two batches.
+- A busy one pulls at most one next batch, and only while no other replica of its
+  model frees before it: what arrives goes to whichever replica starts next. An idle
+  peer takes everything (low load: idle replicas first).
+- Either way a busy replica pulls from `lead_ms` before it expects to be free, so its
+  next batch is buffered when the running one ends.
+- A continuous engine pulls enough to fill its free slots, and a few behind them.
+
+The replica tells the gate when a batch starts and ends and what it learned about its
+peers (on the broker round trips it makes anyway); the consumer's loop asks `wants`
+before every pull, and `reopens_at` when the answer is no, to set a timer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PullGate:
+    max_batch: int
+    lead_ms: float = 40.0
+    busy: bool = False
+    stopping: bool = False
+    ends_at_ms: float = 0.0  # when the running batch is expected to end
+    peer_idle: bool = True  # until the first batch says otherwise
+    peer_launches: list[float] = field(default_factory=list)  # when the model's other replicas last started
+
+    @property
+    def pull_at_ms(self) -> float:
+        return self.ends_at_ms - self.lead_ms
+
+    def start(self, now_ms: float, batch_ms: float) -> None:
+        """A batch (or the first request on a continuous engine) starts now."""
+        self.busy = True
+        self.ends_at_ms = now_ms + batch_ms
+
+    def finish(self) -> None:
+        self.busy = False
+
+    def peers(self, idle: bool | None = None, launches: list[float] | None = None) -> None:
+        """What the last broker round trip said of the other replicas of the model."""
+        if idle is not None:
+            self.peer_idle = idle
+        if launches is not None:
+            self.peer_launches = launches
+
+    def wants(self, now_ms: float, buffered: int, batch_ms: float) -> bool:
+        """May a static-batching replica with `buffered` requests pull another now?"""
+        if self.stopping:
+            return False
+        if not self.busy:
+            return buffered < 2 * self.max_batch
+        if buffered >= self.max_batch:
+            return False
+        if now_ms >= self.pull_at_ms:
+            return True
+        return not self.peer_idle and not self.peers_free_first(now_ms, batch_ms)
+
+    def wants_continuous(self, buffered: int, free_slots: int) -> bool:
+        """May a continuous engine's replica pull another now?"""
+        if self.stopping:
+            return False
+        return buffered < free_slots + max(1, self.max_batch // 4)
+
+    def peers_free_first(self, now_ms: float, batch_ms: float) -> list[float]:
+        """The expected ends of the peers' batches that fall between now and this replica's end."""
+        ends = (t + batch_ms for t in self.peer_launches)
+        return [end for end in ends if now_ms < end < self.ends_at_ms]
+
+    def reopens_at(self, now_ms: float, buffered: int, batch_ms: float) -> float | None:
+        """When a shut gate opens again by itself (None: not before work leaves)."""
+        if not self.busy or self.stopping:
+            return None
+        if buffered >= self.max_batch:
+            return self.ends_at_ms
+        first = self.peers_free_first(now_ms, batch_ms)
+        return min(self.pull_at_ms, max(first)) if first and not self.peer_idle else self.pull_at_ms
