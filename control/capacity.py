@@ -196,8 +196,17 @@ def plan(inputs: Inputs) -> dict[str, Any]:
     out: dict[str, Any] = {"inputs": _inputs_json(inputs), "arithmetic": arithmetic(inputs)}
     shares = inputs.shares
     recommended: dict[str, int | None] = {}
-    searches: dict[str, list[dict]] = {}
+    searches: dict[str, list[dict]] = {name: [] for name in shares}
+    floor_ms = out["arithmetic"]["batch_ms_full"] + 15.0  # one full batch and the margin
+    if inputs.budget_ms < floor_ms:
+        out["why_not"] = (
+            f"a full batch takes {floor_ms - 15:.0f} ms on this engine: a budget of {inputs.budget_ms:.0f} ms "
+            "(SLO less network) is below one batch, and admission answers 504 at once at any replica count"
+        )
     for name, share in shares.items():
+        if "why_not" in out:
+            recommended[name] = None
+            continue
         rps = inputs.rps * share / inputs.surviving
         start = out["arithmetic"]["per_model"][name]["replicas_min"]
         start = max(1, math.ceil(start / inputs.surviving))

@@ -35,16 +35,7 @@ from control import admission
 from control.admission import Capacity, Limits, RateMeter, Verdict
 from control.settings import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
-
-
-def pull_gate_class() -> type:
-    """The live pull gate (tasks/pullgate.py): the one place the simulator names it."""
-    try:
-        from tasks.pullgate import PullGate
-    except ImportError:  # until tasks/pullgate.py is in this tree: the same rules, copied
-        from control._pullgate_copy import PullGate
-    return PullGate
-
+from tasks.pullgate import PullGate
 
 # Request states (one byte each). The finished states come last.
 NEW, WAITING, RUNNING, OK, REFUSED, EXPIRED, CANCELLED, LATE, LOST = range(9)
@@ -258,7 +249,7 @@ class SimConfig:
 class SimReplica:
     __slots__ = ("index", "group", "collector", "gate", "busy", "alive", "batch", "tokens", "last_launch", "ends_at")
 
-    def __init__(self, index: int, group: Group, config: CollectorConfig, gate: Any) -> None:
+    def __init__(self, index: int, group: Group, config: CollectorConfig, gate: PullGate) -> None:
         self.index = index
         self.group = group
         self.collector = Collector(config)
@@ -286,11 +277,8 @@ class Group:
             batch_ms=self.batch_ms,
             margin_ms=config.margin_ms,
         )
-        gate_class = pull_gate_class()
         self.replicas = [
-            SimReplica(
-                sim.next_replica(), self, self.collector_config, gate_class(config.max_batch, config.pull_lead_ms)
-            )
+            SimReplica(sim.next_replica(), self, self.collector_config, PullGate(config.max_batch, config.pull_lead_ms))
             for _ in range(config.replicas[model])
         ]
         self.paid_queue: deque[int] = deque()
@@ -679,11 +667,10 @@ class Simulation:
 
     def _host_up(self, dead: list[SimReplica]) -> None:
         group = dead[0].group
-        gate_class = pull_gate_class()
         for replica in dead:
             replica.alive = True
             replica.collector = Collector(group.collector_config)
-            replica.gate = gate_class(self.config.max_batch, self.config.pull_lead_ms)
+            replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms)
             replica.last_launch = -1e18
             group.blocked.append(replica)
         group.num_ready += len(dead)
