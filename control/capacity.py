@@ -41,6 +41,8 @@ class Inputs:
     max_queue_paid: int = 10**9
     max_queue_free: int = 10**9
     min_answered: float = 0.999
+    policy: str = "static"
+    cell: int = 128  # a queue with more replicas is simulated as this many at their per-replica rate
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
@@ -56,6 +58,12 @@ class Inputs:
             raise ValueError("paid-fraction must be in [0, 1]")
         if min(self.models.values()) <= 0:
             raise ValueError("model shares must be positive")
+        if self.policy not in ("static", "continuous"):
+            raise ValueError("policy must be static or continuous")
+        if self.policy == "continuous" and self.cost is None:
+            raise ValueError("the continuous policy needs --cost-model (an engine curve)")
+        if self.cell < 1 or self.sim_seconds <= 0 or self.search_seconds <= 0:
+            raise ValueError("cell, sim-seconds and search-seconds must be positive")
 
     @property
     def shares(self) -> dict[str, float]:
@@ -141,6 +149,7 @@ def sim_config(inputs: Inputs, replicas: list[int], models: list[str], regions: 
         max_batch=inputs.max_batch,
         batch_ms=inputs.batch_ms,
         costs=costs,
+        policy=inputs.policy,
         budget_ms=inputs.budget_ms,
         max_queue_paid=inputs.max_queue_paid,
         max_queue_free=inputs.max_queue_free,
@@ -148,7 +157,11 @@ def sim_config(inputs: Inputs, replicas: list[int], models: list[str], regions: 
 
 
 def run_group(inputs: Inputs, model: str, replicas: int, rps: float, seconds: float) -> SimResult:
-    """One model's queue in one region at `rps`."""
+    """One model's queue in one region at `rps`; a queue of more than `cell` replicas is
+    simulated as `cell` of them at the same rate per replica (pessimistic: a bigger pool
+    only spreads the starts thinner)."""
+    if replicas > inputs.cell:
+        rps, replicas = rps * inputs.cell / replicas, inputs.cell
     workload = make_workload(rps, seconds, profile=inputs.profile, paid_fraction=inputs.paid_fraction, seed=inputs.seed)
     return simulate(sim_config(inputs, [replicas], [model]), workload)
 
@@ -228,34 +241,53 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         out["replicas"] = sum(counts) * inputs.regions
     # The final run: one surviving region carrying its share of the whole peak.
     started = time.perf_counter()
-    workload = make_workload(
-        inputs.rps / inputs.surviving,
-        inputs.sim_seconds,
-        profile=inputs.profile,
-        paid_fraction=inputs.paid_fraction,
-        model_shares=[shares[n] for n in models],
-        seed=inputs.seed,
-    )
-    result = simulate(sim_config(inputs, counts, models), workload)
+    region_rps = inputs.rps / inputs.surviving
+    if all(c <= inputs.cell for c in counts):
+        workload = make_workload(
+            region_rps,
+            inputs.sim_seconds,
+            profile=inputs.profile,
+            paid_fraction=inputs.paid_fraction,
+            model_shares=[shares[n] for n in models],
+            seed=inputs.seed,
+        )
+        result = simulate(sim_config(inputs, counts, models), workload)
+        summary = result.summary(inputs.network_ms)
+        num_requests, mean_batch = len(workload), result.mean_batch()
+        per_tier = result.by_tier(inputs.network_ms)
+        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
+        scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
+    else:  # each model's queue apart, as a cell; the overall figures are the worst model's
+        results = {
+            n: run_group(inputs, n, c, region_rps * shares[n], inputs.sim_seconds)
+            for n, c in zip(models, counts, strict=True)
+        }
+        per_model = {n: r.summary(inputs.network_ms) for n, r in results.items()}
+        worst = max(models, key=lambda n: per_model[n].get("p99_ms") or 0.0)
+        summary, per_tier = per_model[worst], results[worst].by_tier(inputs.network_ms)
+        num_requests = sum(len(r.workload) for r in results.values())
+        mean_batch = results[worst].mean_batch()
+        scope = (
+            f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
+            f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
+        )
     wall = time.perf_counter() - started
-    summary = result.summary(inputs.network_ms)
     out["replicas_min"] = out["arithmetic"]["replicas_min"]
     out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
     out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]
     out["p50_ms"] = summary.get("p50_ms")
     out["p99_ms"] = summary.get("p99_ms")
     out["simulated"] = {
-        "scope": f"one of {inputs.surviving} surviving regions (its share of the peak: "
-        f"{inputs.rps / inputs.surviving:.0f} req/s); regions and model queues share nothing, "
-        f"so the fleet is this times {inputs.regions}",
+        "scope": f"{scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
+        "policy": inputs.policy,
         "seconds": inputs.sim_seconds,
-        "requests": len(workload),
+        "requests": num_requests,
         "wall_s": round(wall, 2),
-        "requests_per_wall_s": round(len(workload) / wall),
-        "mean_batch": round(result.mean_batch(), 2),
+        "requests_per_wall_s": round(num_requests / wall),
+        "mean_batch": round(mean_batch, 2),
         **summary,
-        "per_tier": result.by_tier(inputs.network_ms),
-        "per_model": {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)},
+        "per_tier": per_tier,
+        "per_model": per_model,
     }
     return out
 
@@ -290,6 +322,10 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", type=int, default=3, help="survive losing one of them")
     parser.add_argument("--paid-fraction", type=float, default=0.2)
     parser.add_argument("--models", default="kb-small=0.8,kb-large=0.2")
+    parser.add_argument(
+        "--policy", choices=["static", "continuous"], default="static", help="continuous: needs --cost-model"
+    )
+    parser.add_argument("--cell", type=int, default=128, help="simulate a bigger queue as this many replicas, scaled")
     parser.add_argument("--profile", choices=PROFILES, default="poisson", help="arrivals")
     parser.add_argument("--sim-seconds", type=float, default=60.0, help="simulated time of the final run")
     parser.add_argument("--search-seconds", type=float, default=20.0, help="simulated time of each search run")
@@ -320,6 +356,8 @@ def run_capacity(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_queue_paid=args.max_queue_paid,
             max_queue_free=args.max_queue_free,
+            policy=args.policy,
+            cell=args.cell,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ from control.admission import Capacity, Limits, RateMeter, Verdict
 from control.settings import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.pullgate import PullGate
+from tasks.scheduler import ContinuousScheduler, RunningRequest, SchedulerConfig, SchedulerOutput, WaitingRequest
 
 # Request states (one byte each). The finished states come last.
 NEW, WAITING, RUNNING, OK, REFUSED, EXPIRED, CANCELLED, LATE, LOST = range(9)
@@ -223,6 +224,7 @@ class SimConfig:
     max_batch: int = 64
     batch_ms: float = 250.0  # fixed batch time, unless `costs` gives a model a curve
     costs: dict[str, CostModel] = field(default_factory=dict)
+    policy: str = "static"  # or "continuous": tasks/scheduler.py plans each step, a cost model prices it
     max_wait_ms: float = 20.0
     pull_lead_ms: float = 40.0
     margin_ms: float = 15.0
@@ -240,6 +242,10 @@ class SimConfig:
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:
             raise ValueError("one replica count (>= 1) per model")
+        if self.policy not in ("static", "continuous"):
+            raise ValueError(f"policy must be static or continuous, not {self.policy!r}")
+        if self.policy == "continuous" and set(self.models) - set(self.costs):
+            raise ValueError("the continuous policy needs a cost model (an engine curve) for every model")
         if self.regions < 1 or (self.region_loss_at_s is not None and self.regions < 2):
             raise ValueError("region loss needs at least two regions")
 
@@ -247,8 +253,92 @@ class SimConfig:
 # -- the simulated parts ---------------------------------------------------------------------
 
 
+MEAN_OUTPUT_TOKENS = (128 - 4) / math.log(128 / 4)  # log-uniform 4..128
+CONTEXT_TOKENS = 400.0  # a 100-500 token prompt and part of its answer
+
+
+class SimEngine:
+    """A continuous replica's engine, counted in tokens: `tasks.scheduler` plans every step
+    (admit into free slots paid first, decode one token each, prefill with the rest of the
+    budget), the cost model prices it: one decode step for the decoding rows plus each
+    prompt chunk's own forward."""
+
+    def __init__(self, scheduler: ContinuousScheduler, cost: CostModel) -> None:
+        self.scheduler = scheduler
+        self.cost = cost
+        self.waiting: dict[str, WaitingRequest] = {}
+        self.rows: dict[str, list[int]] = {}  # id -> [prompt tokens left to prefill, tokens left to decode]
+        self.pendings: dict[str, Pending] = {}  # every request in the engine, waiting or running
+        self.outputs: dict[str, int] = {}
+        self.plan: SchedulerOutput | None = None
+        self._arrivals = 0
+
+    def free_slots(self) -> int:
+        return max(0, self.scheduler.config.max_slots - len(self.rows) - len(self.waiting))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def add(self, pending: Pending, prompt_tokens: int, output_tokens: int) -> None:
+        self._arrivals += 1
+        self.waiting[pending.id] = WaitingRequest(pending.id, pending.tier, prompt_tokens, self._arrivals)
+        self.pendings[pending.id] = pending
+        self.outputs[pending.id] = output_tokens
+
+    def abort(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
+        self.rows.pop(request_id, None)
+        self.pendings.pop(request_id, None)
+
+    def schedule(self) -> float:
+        """Plan the next step; its cost in ms (0: nothing to compute)."""
+        running = [
+            RunningRequest(i, row[0], self.pendings[i].tier, 0, is_finished=row[1] <= 0) for i, row in self.rows.items()
+        ]
+        plan = self.scheduler.schedule(list(self.waiting.values()), running)
+        for i in plan.released:
+            del self.rows[i]
+            self.pendings.pop(i, None)
+        for i in plan.admitted:
+            request = self.waiting.pop(i)
+            self.rows[i] = [request.num_prompt_tokens, self.outputs.pop(i)]
+        self.plan = plan
+        decode = self.cost.step_ms(len(plan.decodes), CONTEXT_TOKENS) if plan.decodes else 0.0
+        return decode + sum(self.cost.prefill_ms_for(n) for n in plan.prefills.values())
+
+    def finish_step(self) -> list[Pending]:
+        """Apply the planned step; the requests that finished with it."""
+        done: list[Pending] = []
+        if self.plan is None:
+            return done
+        for i in self.plan.decodes:
+            row = self.rows.get(i)
+            if row is not None and row[1] > 0:
+                row[1] -= 1
+                if row[1] == 0:
+                    done.append(self.pendings[i])
+        for i, n in self.plan.prefills.items():
+            if i in self.rows:
+                self.rows[i][0] -= n
+        self.plan = None
+        return done
+
+
 class SimReplica:
-    __slots__ = ("index", "group", "collector", "gate", "busy", "alive", "batch", "tokens", "last_launch", "ends_at")
+    __slots__ = (
+        "index",
+        "group",
+        "collector",
+        "gate",
+        "busy",
+        "alive",
+        "batch",
+        "tokens",
+        "last_launch",
+        "ends_at",
+        "engine",
+        "gate_at",
+    )
 
     def __init__(self, index: int, group: Group, config: CollectorConfig, gate: PullGate) -> None:
         self.index = index
@@ -261,6 +351,13 @@ class SimReplica:
         self.tokens = [0, 0, 0]  # per timer kind (launch, end, gate): a bump forgets the one set
         self.last_launch = -1e18
         self.ends_at = 0.0
+        self.engine: SimEngine | None = None  # continuous policy only
+        self.gate_at = -1.0  # the reopening time a timer was last set for
+
+    def held(self) -> list[Pending]:
+        """What a sweep finds in its held hash: the batch or the engine's requests, and the buffer."""
+        running = list(self.engine.pendings.values()) if self.engine else self.batch
+        return running + self.collector.waiting
 
 
 class Group:
@@ -271,7 +368,13 @@ class Group:
         self.region = region
         self.model = model
         self.cost = config.costs.get(config.models[model])
+        self.continuous = config.policy == "continuous"
         self.batch_ms = self.cost.expected_batch_ms(config.max_batch) if self.cost else config.batch_ms
+        if self.cost and self.continuous:  # join to finish of a typical request at full load
+            self.batch_ms = self.cost.prefill_ms_for(300) + MEAN_OUTPUT_TOKENS * self.cost.step_ms(
+                config.max_batch, CONTEXT_TOKENS
+            )
+        self.scheduler_config = SchedulerConfig(max_slots=config.max_batch)
         self.collector_config = CollectorConfig(
             max_batch=config.max_batch,
             max_wait_ms=config.max_wait_ms,
@@ -282,6 +385,8 @@ class Group:
             SimReplica(sim.next_replica(), self, self.collector_config, PullGate(config.max_batch, config.pull_lead_ms))
             for _ in range(config.replicas[model])
         ]
+        for replica in self.replicas:
+            replica.engine = self.new_engine()
         self.paid_queue: deque[int] = deque()
         self.free_queue: deque[int] = deque()
         self.num_waiting = [0, 0]  # free, paid: the waiting sets admission counts
@@ -293,6 +398,11 @@ class Group:
         self.verdict = Verdict.ADMIT
         self.deepest = (0, 0)
         self.deepest_at = -1e18
+
+    def new_engine(self) -> SimEngine | None:
+        if not self.continuous or self.cost is None:
+            return None
+        return SimEngine(ContinuousScheduler(self.scheduler_config), self.cost)
 
     def capacity(self) -> Capacity:
         return Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms)
@@ -434,7 +544,10 @@ class Simulation:
             if not replica.alive or token != replica.tokens[kind]:
                 return
             if kind == _END:
-                self._end(replica)
+                if replica.engine is not None:
+                    self._cycle(replica, stepped=True)
+                else:
+                    self._end(replica)
             elif kind == _LAUNCH:
                 self._try_launch(replica)
             else:
@@ -479,7 +592,11 @@ class Simulation:
         blocked = group.blocked
         while blocked:
             replica = blocked[0]
-            if replica.alive and replica.gate.wants(now, len(replica.collector.waiting), group.batch_ms):
+            if replica.alive and (
+                self._wants(replica)
+                if group.continuous
+                else replica.gate.wants(now, len(replica.collector.waiting), group.batch_ms)
+            ):
                 blocked.rotate(-1)
                 self._take(replica, i)
                 return
@@ -517,7 +634,12 @@ class Simulation:
     # -- the replica: gate, buffer, launch, end --
 
     def _wants(self, replica: SimReplica) -> bool:
-        return replica.alive and replica.gate.wants(self.now, len(replica.collector), replica.group.batch_ms)
+        """`Replica.wants_messages`."""
+        if not replica.alive:
+            return False
+        if replica.engine is not None:
+            return replica.gate.wants_continuous(len(replica.collector.waiting), replica.engine.free_slots())
+        return replica.gate.wants(self.now, len(replica.collector.waiting), replica.group.batch_ms)
 
     def _shut(self, replica: SimReplica) -> None:
         """The gate said no: the consumer stops asking, with a timer if it reopens by itself."""
@@ -526,13 +648,22 @@ class Simulation:
             blocked.popleft()
         elif replica in blocked:
             blocked.remove(replica)
+        if replica.engine is not None:  # reopens when work leaves (`Replica.reopens_at_ms`)
+            return
         at = replica.gate.reopens_at(self.now, len(replica.collector), replica.group.batch_ms)
-        if at is not None and replica.alive:
+        # As the worker's consumer loop does (tasks/worker.py): one timer per reopening time,
+        # so a time already past (a batch longer than expected) wakes it once, not forever.
+        if at is not None and at != replica.gate_at and replica.alive:
+            replica.gate_at = at
             self._timer(replica, _GATE, max(at, self.now))
 
     def _take(self, replica: SimReplica, i: int) -> None:
         collector = replica.collector
         collector.add(Pending(str(i), _TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now))
+        if replica.engine is not None:
+            if not replica.busy:  # an idle continuous replica admits at once
+                self._cycle(replica)
+            return
         if not replica.busy:
             if len(collector) >= collector.config.max_batch:
                 self._try_launch(replica)
@@ -596,6 +727,58 @@ class Simulation:
         self._timer(replica, _END, now + duration)
         self._pull(replica)
 
+    def _cycle(self, replica: SimReplica, stepped: bool = False) -> None:
+        """`Replica._run_continuous`, one turn: answer what the step finished; drop what was
+        cancelled or expired (buffered or running); admit into free slots; plan and price
+        the next step."""
+        engine, collector, group, now, state = replica.engine, replica.collector, replica.group, self.now, self.state
+        assert engine is not None
+        if stepped:
+            for pending in engine.finish_step():
+                j = pending.payload
+                if state[j] == RUNNING:
+                    state[j] = OK if now <= pending.deadline_ms else LATE
+                    self.end_ms[j] = now
+        for request_id, pending in list(engine.pendings.items()):
+            j = pending.payload
+            if state[j] != RUNNING or now > pending.deadline_ms:
+                engine.abort(request_id)
+                if state[j] == RUNNING:
+                    state[j] = LATE
+        gone = {p.id for p in collector.waiting if state[p.payload] != WAITING}
+        if gone:
+            collector.remove(gone)
+        room = min(collector.num_free(), engine.free_slots())
+        while room and group.paid_queue:
+            j = group.paid_queue.popleft()
+            collector.add(Pending(str(j), "paid", self.t[j], self.deadline[j], j, now))
+            room -= 1
+        for pending in collector.pop_expired(now):
+            j = pending.payload
+            if state[j] == WAITING:
+                state[j] = EXPIRED
+                group.num_waiting[self.paid[j]] -= 1
+        batch = collector.pop_batch(limit=engine.free_slots())
+        w = self.workload
+        for pending in batch:
+            j = pending.payload
+            group.num_waiting[self.paid[j]] -= 1
+            state[j] = RUNNING
+            self.start_ms[j] = now
+            engine.add(pending, int(w.prompt_tokens[j]), int(w.output_tokens[j]))
+        self.stats["batch_rows"] += len(batch)
+        replica.busy = False
+        for _ in range(3):  # a plan that only releases finished rows costs nothing: plan again
+            if not engine.has_unfinished():
+                break
+            cost = engine.schedule()
+            if cost > 0:
+                replica.busy = True
+                self.stats["batches"] += 1
+                self._timer(replica, _END, now + cost)
+                break
+        self._pull(replica)
+
     def _batch_ms(self, group: Group, batch: list[Pending]) -> float:
         if group.cost is None:
             return self.config.batch_ms
@@ -653,8 +836,9 @@ class Simulation:
         group.num_ready -= len(dead)
         min_ms = group.batch_ms + self.config.margin_ms
         for replica in dead:
-            held = replica.batch + replica.collector.waiting
+            held = replica.held()
             replica.batch, replica.collector.waiting, replica.busy = [], [], False
+            replica.engine = group.new_engine()
             for pending in reversed(held):
                 j = pending.payload
                 if self.state[j] not in (WAITING, RUNNING):
@@ -679,6 +863,7 @@ class Simulation:
         for replica in dead:
             replica.alive = True
             replica.collector = Collector(group.collector_config)
+            replica.engine = group.new_engine()
             replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms)
             replica.last_launch = -1e18
             group.blocked.append(replica)
@@ -696,7 +881,7 @@ class Simulation:
             group.alive = False
             held: list[int] = list(group.paid_queue) + list(group.free_queue)
             for replica in group.replicas:
-                held += [p.payload for p in replica.batch] + [p.payload for p in replica.collector.waiting]
+                held += [p.payload for p in replica.held()]
                 replica.alive = False
                 replica.tokens = [t + 1 for t in replica.tokens]
             group.paid_queue.clear()
