@@ -19,7 +19,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from control.sim import PROFILES, CostModel, SimConfig, SimResult, make_workload, simulate
+from control.sim import (
+    CONTEXT_TOKENS,
+    MEAN_OUTPUT_TOKENS,
+    PROFILES,
+    CostModel,
+    SimConfig,
+    SimResult,
+    make_workload,
+    simulate,
+)
 
 
 @dataclass
@@ -42,6 +51,7 @@ class Inputs:
     max_queue_free: int = 10**9
     min_answered: float = 0.999
     policy: str = "static"
+    scope: str = "region"  # the final run: one surviving region, or the whole fleet losing a region
     cell: int = 128  # a queue with more replicas is simulated as this many at their per-replica rate
 
     def __post_init__(self) -> None:
@@ -60,6 +70,8 @@ class Inputs:
             raise ValueError("model shares must be positive")
         if self.policy not in ("static", "continuous"):
             raise ValueError("policy must be static or continuous")
+        if self.scope not in ("region", "fleet"):
+            raise ValueError("scope must be region or fleet")
         if self.policy == "continuous" and self.cost is None:
             raise ValueError("the continuous policy needs --cost-model (an engine curve)")
         if self.cell < 1 or self.sim_seconds <= 0 or self.search_seconds <= 0:
@@ -99,7 +111,14 @@ def parse_models(text: str) -> dict[str, float]:
 
 
 def batch_ms_at(inputs: Inputs, size: int) -> float:
-    return inputs.cost.expected_batch_ms(size) if inputs.cost else inputs.batch_ms
+    """The time `size` requests take together: one batch (static), or on a continuous
+    engine kept `size` full, each prompt's prefill plus the mean output's decode steps at
+    that batch size (the engine's throughput)."""
+    if inputs.cost is None:
+        return inputs.batch_ms
+    if inputs.policy == "continuous":
+        return size * inputs.cost.prefill_ms_for(300) + MEAN_OUTPUT_TOKENS * inputs.cost.step_ms(size, CONTEXT_TOKENS)
+    return inputs.cost.expected_batch_ms(size)
 
 
 def arithmetic(inputs: Inputs) -> dict[str, Any]:
@@ -189,7 +208,7 @@ def search(inputs: Inputs, model: str, rps: float, start: int, limit: int = 64) 
             {"replicas": count, "p99_ms": summary.get("p99_ms"), "answered_200_share": summary["answered_200_share"]}
         )
         if meets(inputs, result):
-            if step > 1:  # refine downward one by one from the last failing count
+            if step > 1 and count > start:  # refine one by one above the last failing count
                 for lower in range(count - step + 1, count):
                     res = run_group(inputs, model, lower, rps, inputs.search_seconds)
                     s = res.summary(inputs.network_ms)
@@ -211,7 +230,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
     recommended: dict[str, int | None] = {}
     searches: dict[str, list[dict]] = {name: [] for name in shares}
     floor_ms = out["arithmetic"]["batch_ms_full"] + 15.0  # one full batch and the margin
-    if inputs.budget_ms < floor_ms:
+    if inputs.policy == "static" and inputs.budget_ms < floor_ms:
         out["why_not"] = (
             f"a full batch takes {floor_ms - 15:.0f} ms on this engine: a budget of {inputs.budget_ms:.0f} ms "
             "(SLO less network) is below one batch, and admission answers 504 at once at any replica count"
@@ -242,7 +261,34 @@ def plan(inputs: Inputs) -> dict[str, Any]:
     # The final run: one surviving region carrying its share of the whole peak.
     started = time.perf_counter()
     region_rps = inputs.rps / inputs.surviving
-    if all(c <= inputs.cell for c in counts):
+    by_region: dict[str, Any] | None = None
+    if inputs.scope == "fleet":  # every region at its third of the peak, the first lost a third of the way in
+        loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
+        workload = make_workload(
+            inputs.rps,
+            inputs.sim_seconds,
+            profile=inputs.profile,
+            paid_fraction=inputs.paid_fraction,
+            model_shares=[shares[n] for n in models],
+            regions=inputs.regions,
+            seed=inputs.seed,
+        )
+        config = sim_config(inputs, counts, models, regions=inputs.regions)
+        config.region_loss_at_s = loss_at
+        result = simulate(config, workload)
+        summary = result.summary(inputs.network_ms)
+        num_requests, mean_batch = len(workload), result.mean_batch()
+        per_tier = result.by_tier(inputs.network_ms)
+        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
+        by_region = result.by_region(inputs.network_ms)
+        if loss_at is not None:
+            after = workload.t_ms >= loss_at * 1000.0
+            by_region["after_the_loss"] = result.summary(inputs.network_ms, after)
+            by_region["resent"] = {"requests": result.stats["resent"]}
+        scope = f"the whole fleet: {inputs.regions} regions at {inputs.rps:.0f} req/s" + (
+            f", region 0 lost at {loss_at:.0f} s" if loss_at is not None else ""
+        )
+    elif all(c <= inputs.cell for c in counts):
         workload = make_workload(
             region_rps,
             inputs.sim_seconds,
@@ -278,7 +324,9 @@ def plan(inputs: Inputs) -> dict[str, Any]:
     out["p50_ms"] = summary.get("p50_ms")
     out["p99_ms"] = summary.get("p99_ms")
     out["simulated"] = {
-        "scope": f"{scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
+        "scope": scope
+        if inputs.scope == "fleet"
+        else f"{scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
         "policy": inputs.policy,
         "seconds": inputs.sim_seconds,
         "requests": num_requests,
@@ -289,6 +337,8 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         "per_tier": per_tier,
         "per_model": per_model,
     }
+    if by_region is not None:
+        out["simulated"]["per_region"] = by_region
     return out
 
 
@@ -325,6 +375,12 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", choices=["static", "continuous"], default="static", help="continuous: needs --cost-model"
     )
+    parser.add_argument(
+        "--scope",
+        choices=["region", "fleet"],
+        default="region",
+        help="final run: one surviving region (default), or every region with one lost a third of the way in",
+    )
     parser.add_argument("--cell", type=int, default=128, help="simulate a bigger queue as this many replicas, scaled")
     parser.add_argument("--profile", choices=PROFILES, default="poisson", help="arrivals")
     parser.add_argument("--sim-seconds", type=float, default=60.0, help="simulated time of the final run")
@@ -357,6 +413,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             max_queue_paid=args.max_queue_paid,
             max_queue_free=args.max_queue_free,
             policy=args.policy,
+            scope=args.scope,
             cell=args.cell,
         )
     except (OSError, ValueError) as exc:
