@@ -72,3 +72,16 @@ def test_json_has_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in out
     assert out["replica_rps_full"] == 256.0
     assert set(out["simulated"]["per_tier"]) == {"paid", "free"}
+
+
+def test_fleet_scope_loses_a_region_and_draws_the_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "p99.png"
+    args = ["capacity", "--rps", "1500", "--models", "kb-small", "--sim-seconds", "6", "--search-seconds", "3"]
+    assert main([*args, "--scope", "fleet", "--json", "--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    regions = out["simulated"]["per_region"]
+    assert regions["resent"]["requests"] > 0  # what region 0 held went to the others
+    assert regions["0"]["requests"] < regions["1"]["requests"]  # nothing new reached it after the loss
+    assert regions["after_the_loss"]["answered_200_share"] >= 0.97  # the resent ones had spent part of their budget
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    assert [p["load"] for p in out["load_curve"]["kb-small"]][:2] == [0.5, 0.7]

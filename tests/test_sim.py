@@ -105,14 +105,15 @@ def test_continuous_policy_runs_the_live_scheduler_and_beats_static_on_the_engin
     cost = CostModel.from_file("docs/bench/engine-small.json")
     workload = make_workload(30, 40, seed=10)  # 7.5 req/s a replica: static sustains 8.9 at full batches
     runs = {
-        policy: simulate(
-            SimConfig(replicas=[4], costs={"kb-small": cost}, policy=policy, budget_ms=10_000.0), workload
-        )
+        policy: simulate(SimConfig(replicas=[4], costs={"kb-small": cost}, policy=policy, budget_ms=10_000.0), workload)
         for policy in ("static", "continuous")
     }
-    engine = Simulation(
-        SimConfig(replicas=[1], costs={"kb-small": cost}, policy="continuous"), make_workload(1, 1)
-    ).groups[0].replicas[0].engine
+    engine = (
+        Simulation(SimConfig(replicas=[1], costs={"kb-small": cost}, policy="continuous"), make_workload(1, 1))
+        .groups[0]
+        .replicas[0]
+        .engine
+    )
     assert engine is not None and type(engine.scheduler) is ContinuousScheduler
     static, continuous = (runs[p].summary() for p in ("static", "continuous"))
     assert continuous["answered_200_share"] == 1.0
