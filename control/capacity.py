@@ -353,6 +353,16 @@ def load_curve(inputs: Inputs, model: str, replicas: int, loads: list[float]) ->
     return points
 
 
+def replica_curve(inputs: Inputs, model: str, counts: list[int]) -> list[dict]:
+    """p99 and answered share at the design rate as the count per region varies."""
+    rps = inputs.rps * inputs.shares[model] / inputs.surviving
+    points = []
+    for count in counts:
+        s = run_group(inputs, model, count, rps, inputs.search_seconds).summary(inputs.network_ms)
+        points.append({"replicas": count, "p99_ms": s.get("p99_ms"), "answered_200_share": s["answered_200_share"]})
+    return points
+
+
 def _inputs_json(inputs: Inputs) -> dict[str, Any]:
     fields = {k: v for k, v in vars(inputs).items() if k != "cost"}
     fields["cost_model"] = inputs.cost.name if inputs.cost else None
@@ -425,6 +435,8 @@ def run_capacity(args: argparse.Namespace) -> int:
         first = next(iter(inputs.shares))
         count = out["replicas_per_region_by_model"][first]
         out["load_curve"] = {first: load_curve(inputs, first, count, [0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4])}
+        counts = sorted({max(1, round(count * f)) for f in (0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0)})
+        out["replica_curve"] = {first: replica_curve(inputs, first, counts)}
         _plot(out, first, args.plot)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
@@ -488,17 +500,26 @@ def _plot(out: dict[str, Any], model: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    tried = sorted((t for t in out["search"][model] if t["p99_ms"] is not None), key=lambda t: t["replicas"])
-    left.plot([t["replicas"] for t in tried], [t["p99_ms"] for t in tried], marker="o")
-    left.axhline(out["inputs"]["slo_ms"], color="red", linestyle="--", label="SLO")
-    left.set_xlabel(f"{model} replicas per region (one region lost)")
-    left.set_ylabel("p99 end to end (ms)")
-    left.legend()
-    curve = [p for p in out["load_curve"][model] if p["p99_ms"] is not None]
-    right.plot([p["load"] for p in curve], [p["p99_ms"] for p in curve], marker="o")
-    right.axhline(out["inputs"]["slo_ms"], color="red", linestyle="--")
-    right.set_xlabel(f"offered load (x design rate) at {out['replicas_per_region_by_model'][model]} replicas")
-    right.set_ylabel("p99 end to end (ms)")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    slo = out["inputs"]["slo_ms"]
+    panels = (
+        (left, out["replica_curve"][model], "replicas", f"{model} replicas per region, one region lost"),
+        (
+            right,
+            out["load_curve"][model],
+            "load",
+            f"offered load (x design rate), {out['replicas_per_region_by_model'][model]} replicas",
+        ),
+    )
+    for axis, points, key, label in panels:
+        shown = [p for p in points if p["p99_ms"] is not None]
+        axis.plot([p[key] for p in shown], [p["p99_ms"] for p in shown], marker="o", label="p99 end to end")
+        axis.axhline(slo, color="red", linestyle="--", label="SLO")
+        axis.set_xlabel(label)
+        axis.set_ylabel("p99 end to end (ms)")
+        share = axis.twinx()  # admission holds the p99 under the budget: what it refuses shows here
+        share.plot([p[key] for p in points], [100 * p["answered_200_share"] for p in points], color="green", marker="x")
+        share.set_ylabel("answered 200 (%)", color="green")
+        axis.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path)
