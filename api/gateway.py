@@ -23,7 +23,7 @@ from celery import Celery
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control import admission, failover
+from control import admission, failover, traffic
 from control import protocol as p
 from control.admission import Capacity, Limits, Verdict
 from control.clock import BrokerClock, Clock
@@ -39,11 +39,13 @@ EARLY_KEEP_S = 2.0  # an answer for a request this process has not registered ye
 
 OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this much
 
+# KEYS: the owner (read through ARGV; named so a cluster client routes the call to its slot).
 CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
 # ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
-#       done key ('' when the answer is not kept), this gateway, request key.
+#       done key ('' when the answer is not kept), this gateway, request key, the traffic
+#       field this arrival counts in (control/traffic.py).
 # Returns {status, paid waiting, free waiting, extra}: 1 admitted; 2 answered before
 # (extra: the stored answer); 3 in flight, joined (extra: its attempt); -1 too deep.
 ADMIT_LUA = (
@@ -58,7 +60,7 @@ if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
   -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
   -- that attempt any more; drop it and admit the retry as a new one.
   local _, waiting, _, attempt = owner_parts(current)
-  redis.call('SET', 'kb:cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
+  redis.call('SET', P .. 'cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
   redis.call('ZREM', waiting, attempt)
   current = nil
 end
@@ -89,8 +91,11 @@ if KEYS[5] then
   local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
   if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
 end
+ARRIVAL_LUA
 return {1, paid, free, ''}
-""".replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS)).replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
+""".replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS))
+    .replace("ARRIVAL_LUA", traffic.ARRIVAL_LUA)
+    .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
 )
 
 
@@ -349,7 +354,8 @@ class Gateway:
         owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}"
         done = p.done_key(job.key) if job.keep_ms else ""
         now = self.clock.now_ms()
-        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key]
+        arrival = traffic.arrival_field(job.model, job.tier)
+        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
         try:
             status, paid, free, extra = self._admit(keys, args)
         except redis.RedisError as exc:
@@ -444,7 +450,7 @@ class Gateway:
         if joined:
             return
         try:
-            self._cancel(args=[waiter.job.key, reason, "", waiter.attempt, self.id])
+            self._cancel(keys=[p.owner_key(waiter.job.key)], args=[waiter.job.key, reason, "", waiter.attempt, self.id])
         except redis.RedisError as exc:
             self.health.failed(exc)  # the broker is away; the answer stands all the same
 
@@ -453,7 +459,7 @@ class Gateway:
         if self.health.is_down:
             raise _broker_down(None)
         try:
-            return bool(self._cancel(args=[key, reason, tenant, "", ""]))
+            return bool(self._cancel(keys=[p.owner_key(key)], args=[key, reason, tenant, "", ""]))
         except redis.RedisError as exc:
             self.health.failed(exc)
             raise _broker_down(exc) from exc
@@ -468,7 +474,7 @@ class Gateway:
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired = self._sweep(args=[min_ms])
+                swept, requeued, expired = self._sweep(keys=[p.HOLDERS_KEY], args=[min_ms])
                 if swept:
                     log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
                 self._release_orphans()

@@ -276,7 +276,6 @@ def _schemas() -> dict[str, Schema]:
             {
                 "status": {"const": "ready"},
                 "replicas": {"type": "object", "additionalProperties": integer},
-                "gateway": string,
             }
         ),
     }

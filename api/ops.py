@@ -48,7 +48,9 @@ def readyz() -> Response:
     if missing or not gw.is_serving():
         why = "shutting down" if not gw.is_serving() else f"no replica for {', '.join(missing)}"
         raise ApiError(503, f"not ready: {why}", "not_ready", retry_after_s=1)
-    return jsonify({"status": "ready", "replicas": counts, "gateway": gw.id})
+    # No process id, host or replica name here: an open endpoint tells a caller no more than
+    # what it needs to route (docs/decisions/0014).
+    return jsonify({"status": "ready", "replicas": counts})
 
 
 @bp.get("/metrics")

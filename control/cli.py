@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from control.cliargs import (
+        add_broker_bench_args,
         add_engine_bench_args,
         add_gateway_cpu_args,
         add_load_args,
@@ -69,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
     )
+    add_broker_bench_args(
+        bench_sub.add_parser("broker", help="Valkey's commands, bytes and CPU per request, and one core's share")
+    )
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
     from control.cliargs import add_chaos_args
 
@@ -81,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     from control.capacity import add_capacity_args
 
     add_capacity_args(sub.add_parser("capacity", help="capacity arithmetic and simulation at any request rate"))
+
+    from control.fleetcli import add_fleet_args
+
+    add_fleet_args(sub)
 
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
@@ -125,19 +133,44 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
-    from tasks.engine import make_engine
+    from tasks.engine import Engine, make_engine
     from tasks.worker import run_worker
 
     if args.model not in settings.models:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
         return 2
-    if args.backend == "hf" and not (settings.model_path(args.model) / "config.json").exists():
-        print(f"no model folder at {settings.model_path(args.model)}: `keybatch model build`", file=sys.stderr)
-        return 2
-    engine = make_engine(settings, args.model, args.backend, args.policy)
     name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"
-    run_worker(settings, args.model, engine, name, loglevel=args.loglevel)
+    model = _assigned_model(settings, name) or args.model
+    if args.backend == "hf" and not (settings.model_path(model) / "config.json").exists():
+        print(f"no model folder at {settings.model_path(model)}: `keybatch model build`", file=sys.stderr)
+        return 2
+    engine = make_engine(settings, model, args.backend, args.policy)
+
+    def load_engine(other: str) -> Engine:
+        return make_engine(settings, other, args.backend, args.policy)
+
+    run_worker(settings, model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
     return 0
+
+
+def _assigned_model(settings: Settings, name: str) -> str | None:
+    """The model this replica was last moved to (`keybatch move`), if it still is configured:
+    a replica restarted by its supervisor keeps serving what the operator moved it to."""
+    import redis
+
+    from control import connect
+    from control import protocol as p
+
+    try:
+        client = connect.client(settings.state_url, socket_timeout=2, socket_connect_timeout=2)
+        raw = client.get(p.assignment_key(name))
+    except (redis.RedisError, RuntimeError):
+        return None
+    model = raw.decode() if isinstance(raw, bytes) else None
+    if model and model in settings.models:
+        logging.getLogger(__name__).info("replica %s serves %s, where it was moved", name, model)
+        return model
+    return None
 
 
 def _bench(settings: Settings, args: argparse.Namespace) -> int:
@@ -153,6 +186,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.peerbench import run_peer
 
         return run_peer(settings, args)
+    if args.bench == "broker":
+        from control.brokerbench import run_broker
+
+        return run_broker(args)
     if args.bench == "gateway-cpu":
         from control.cpubench import run_gateway_cpu
 
@@ -186,6 +223,12 @@ def _capacity(settings: Settings, args: argparse.Namespace) -> int:
     return run_capacity(args)
 
 
+def _fleet(settings: Settings, args: argparse.Namespace) -> int:
+    from control.fleetcli import run_fleet_command
+
+    return run_fleet_command(settings, args)
+
+
 def _model(settings: Settings, args: argparse.Namespace) -> int:
     from control.models import run_model
 
@@ -202,4 +245,5 @@ COMMANDS = {
     "chaos": _chaos,
     "model": _model,
     "capacity": _capacity,
+    **dict.fromkeys(("fleet", "drain", "resume", "move", "rebalance"), _fleet),
 }

@@ -176,3 +176,19 @@ def add_gateway_cpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, interleaved")
     p.add_argument("--workers", type=int, default=2, help="replicas")
     p.add_argument("--json", default=None, help="write all figures here")
+
+
+def add_broker_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, default=300.0, help="offered requests per second")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load read through Valkey's counters")
+    p.add_argument("--idle", type=float, default=5.0, help="seconds of no load first (background rates)")
+    p.add_argument("--sample", type=float, default=3.0, help="seconds of load under MONITOR (calls by script)")
+    p.add_argument("--workers", type=int, default=2, help="replicas")
+    p.add_argument("--paid-share", type=float, default=0.3, help="share of paid requests")
+    p.add_argument(
+        "--no-own-ids", dest="own_ids", action="store_false", help="no X-Request-Id (no answers kept for retries)"
+    )
+    p.add_argument("--replay-rounds", type=int, default=5, help="replays of the sample on a fresh Valkey (0: none)")
+    p.add_argument("--target-rps", type=float, default=40_000.0, help="requests per second a region must carry")
+    p.add_argument("--utilization", type=float, default=0.5, help="the share of a Valkey core to plan on")
+    p.add_argument("--json", default=None, help="write all figures here")

@@ -22,6 +22,10 @@ Every piece is one Lua script, so each step is atomic on the broker:
   request finds no owner and is counted as wasted work, never sent.
 
 The owner value is "<gateway>|<waiting set>|<tenant>|<attempt id>"; see api/gateway.py.
+
+The scripts read their keys' names from ARGV and from what they find; every key carries
+the one hash tag (control/protocol.py), so they all sit in one slot. A caller may name one
+of them in KEYS[1] (the scripts ignore it) for a cluster client to route the call by.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import redis
 from control import protocol as p
 
 # Shared helpers: split an owner value, and cancel a request in flight (tell its gateway).
-LUA_LIB = """
+LUA_LIB = (
+    """
+local P = 'PREFIX:'  -- every key's prefix, its hash tag included
 local function owner_parts(owner)
   local a = string.find(owner, '|', 1, true)
   local b = string.find(owner, '|', a + 1, true)
@@ -40,7 +46,7 @@ local function owner_parts(owner)
 end
 
 local function notify(gateway, item)
-  local key = 'kb:reply:' .. gateway
+  local key = P .. 'reply:' .. gateway
   redis.call('RPUSH', key, '{"items":[' .. item .. ']}')
   redis.call('EXPIRE', key, REPLY_TTL_S)
 end
@@ -63,28 +69,31 @@ end
 -- Cancel the request with this key, tell its gateway. '' for tenant, attempt or holder
 -- means any; a gateway giving up passes itself as holder (a retry elsewhere may own it now).
 local function cancel(key, reason, tenant, attempt, holder)
-  local owner = redis.call('GET', 'kb:req:' .. key)
+  local owner = redis.call('GET', P .. 'req:' .. key)
   if not owner then return 0 end
   local gateway, waiting, who, att = owner_parts(owner)
   if tenant ~= '' and tenant ~= who then return 0 end
   if attempt ~= '' and attempt ~= att then return 0 end
   if holder and holder ~= '' and holder ~= gateway then return 0 end
-  redis.call('SET', 'kb:cancel:' .. att, reason, 'PX', CANCEL_TTL_MS)
-  redis.call('DEL', 'kb:req:' .. key)
+  redis.call('SET', P .. 'cancel:' .. att, reason, 'PX', CANCEL_TTL_MS)
+  redis.call('DEL', P .. 'req:' .. key)
   redis.call('ZREM', waiting, att)
   notify(gateway, cjson.encode({kind = 'cancelled', id = att, reason = reason}))
   return 1
 end
 
 local function lease_alive(replica)
-  return redis.call('EXISTS', 'kb:lease:' .. replica) == 1
+  return redis.call('EXISTS', P .. 'lease:' .. replica) == 1
 end
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-""".replace("REPLY_TTL_S", str(p.REPLY_TTL_S)).replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
+""".replace("PREFIX", p.PREFIX)
+    .replace("REPLY_TTL_S", str(p.REPLY_TTL_S))
+    .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
+)
 
 # A request whose replica died this many times is a likely cause, not a victim: it ends 504.
 MAX_REQUEUES = 2
@@ -93,7 +102,7 @@ _SWEEP_FN = """
 -- Re-queue or expire what a replica without a lease held; {-1, 0} if its lease is alive.
 local function sweep(holder, min_ms)
   if lease_alive(holder) then return {-1, 0} end
-  local held = redis.call('HGETALL', 'kb:held:' .. holder)
+  local held = redis.call('HGETALL', P .. 'held:' .. holder)
   local now = now_ms()
   local requeued, expired = 0, 0
   for i = 1, #held, 2 do
@@ -104,15 +113,15 @@ local function sweep(holder, min_ms)
     local d = string.find(rec, '|', c + 1, true)
     local deadline, queue = tonumber(rec:sub(1, a - 1)), rec:sub(a + 1, b - 1)
     local waiting, key, message = rec:sub(b + 1, c - 1), rec:sub(c + 1, d - 1), rec:sub(d + 1)
-    local owner = redis.call('GET', 'kb:req:' .. key)
+    local owner = redis.call('GET', P .. 'req:' .. key)
     if owner then
       local _, _, _, att = owner_parts(owner)
-      local claim = redis.call('GET', 'kb:claim:' .. id)
+      local claim = redis.call('GET', P .. 'claim:' .. id)
       if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
         -- answered or retried under another attempt, or running on a live replica
-      elseif deadline - now >= min_ms and redis.call('INCR', 'kb:requeued:' .. id) <= MAX_REQUEUES then
-        redis.call('PEXPIRE', 'kb:requeued:' .. id, deadline - now + 1000)
-        redis.call('DEL', 'kb:claim:' .. id)
+      elseif deadline - now >= min_ms and redis.call('INCR', P .. 'requeued:' .. id) <= MAX_REQUEUES then
+        redis.call('PEXPIRE', P .. 'requeued:' .. id, deadline - now + 1000)
+        redis.call('DEL', P .. 'claim:' .. id)
         redis.call('RPUSH', queue, message)  -- the consumer pops from the right: the front
         redis.call('ZADD', waiting, deadline, id)
         requeued = requeued + 1
@@ -121,12 +130,12 @@ local function sweep(holder, min_ms)
       end
     end
   end
-  redis.call('DEL', 'kb:held:' .. holder)
-  redis.call('SREM', 'kb:holders', holder)
-  local model = redis.call('HGET', 'kb:replica:' .. holder, 'model')
+  redis.call('DEL', P .. 'held:' .. holder)
+  redis.call('SREM', P .. 'holders', holder)
+  local model = redis.call('HGET', P .. 'replica:' .. holder, 'model')
   if model then  -- peers must not count it as idle or running any more
-    redis.call('ZREM', 'kb:idle:' .. model, holder)
-    redis.call('ZREM', 'kb:launch:' .. model, holder)
+    redis.call('ZREM', P .. 'idle:' .. model, holder)
+    redis.call('ZREM', P .. 'launch:' .. model, holder)
   end
   return {requeued, expired}
 end
@@ -143,7 +152,7 @@ SWEEP_DEAD_LUA = (
     + _SWEEP_FN
     + """
 local swept, requeued, expired = 0, 0, 0
-for _, holder in ipairs(redis.call('SMEMBERS', 'kb:holders')) do
+for _, holder in ipairs(redis.call('SMEMBERS', P .. 'holders')) do
   local r = sweep(holder, tonumber(ARGV[1]))
   if r[1] >= 0 then
     swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
@@ -159,10 +168,10 @@ return {swept, requeued, expired}
 RECORD_LUA = (
     LUA_LIB
     + """
-local held = 'kb:held:' .. ARGV[1]
+local held = P .. 'held:' .. ARGV[1]
 local n = 0
 for i = 2, #ARGV, 3 do
-  local owner = redis.call('GET', 'kb:req:' .. ARGV[i + 1])
+  local owner = redis.call('GET', P .. 'req:' .. ARGV[i + 1])
   if owner then
     local _, _, _, att = owner_parts(owner)
     if att == ARGV[i] then
@@ -181,7 +190,7 @@ CLAIM_LUA = (
     + """
 local me, out = ARGV[1], {}
 for i = 3, #ARGV do
-  local key = 'kb:claim:' .. ARGV[i]
+  local key = P .. 'claim:' .. ARGV[i]
   local holder = redis.call('GET', key)
   if not holder or holder == me or not lease_alive(holder) then
     redis.call('SET', key, me, 'PX', ARGV[2])
@@ -208,14 +217,14 @@ for i = 2, #ARGV, 6 do
   local key, att, keep, kind, item, fallback = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]),
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   local gateway = nil
-  local owner = redis.call('GET', 'kb:req:' .. key)
+  local owner = redis.call('GET', P .. 'req:' .. key)
   if owner then
     local gw, _, _, owner_att = owner_parts(owner)
     if owner_att == att then
       gateway = gw
-      redis.call('DEL', 'kb:req:' .. key)
+      redis.call('DEL', P .. 'req:' .. key)
       if keep > 0 and kind == 'result' then
-        redis.call('SET', 'kb:done:' .. key, item, 'PX', keep)
+        redis.call('SET', P .. 'done:' .. key, item, 'PX', keep)
       end
       delivered = delivered + 1
     end
@@ -226,10 +235,10 @@ for i = 2, #ARGV, 6 do
     wasted = wasted + 1
   end
   if gateway then collect(out, order, gateway, item) end
-  redis.call('HDEL', 'kb:held:' .. holder, att)
+  redis.call('HDEL', P .. 'held:' .. holder, att)
 end
 notify_all(out, order)
-if wasted > 0 then redis.call('INCRBY', 'kb:stats:wasted', wasted) end
+if wasted > 0 then redis.call('INCRBY', P .. 'stats:wasted', wasted) end
 return {delivered, wasted}
 """
 )
@@ -242,7 +251,7 @@ STREAM_LUA = (
 local out, order = {}, {}
 for i = 1, #ARGV, 3 do
   local key, att, item = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local owner = redis.call('GET', 'kb:req:' .. key)
+  local owner = redis.call('GET', P .. 'req:' .. key)
   if owner then
     local gateway, _, _, owner_att = owner_parts(owner)
     if owner_att == att then collect(out, order, gateway, item) end
@@ -258,5 +267,5 @@ def release_replica(client: redis.Redis, name: str, min_ms: float = 265.0) -> tu
     """A replica is known dead (its supervisor saw it exit): drop its lease and re-queue
     what it held now, rather than when the lease would have lapsed. (requeued, expired)"""
     client.delete(p.lease_key(name))
-    requeued, expired = client.register_script(SWEEP_ONE_LUA)(args=[name, min_ms])
+    requeued, expired = client.register_script(SWEEP_ONE_LUA)(keys=[p.held_key(name)], args=[name, min_ms])
     return max(0, int(requeued)), int(expired)

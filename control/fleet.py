@@ -18,6 +18,7 @@ import redis
 
 from control import protocol as p
 from control.admission import Capacity
+from control.lifecycle import ReplicaState, parse
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def _number(value: str) -> float:
 class ReplicaInfo:
     name: str
     model: str
-    state: str
+    state: ReplicaState | None  # None: a state this version does not know (see `state_label`)
     backend: str
     max_batch: int
     batch_ms: float
@@ -48,18 +49,44 @@ class ReplicaInfo:
     why_not_ready: str = ""
     clock_offset_ms: float = 0.0
     engine: dict[str, float] = field(default_factory=dict)  # the engine's own counters (hf: steps, prefix cache)
+    state_label: str = "?"
+    host: str = "?"
+    pid: int = 0
+    num_held: int = 0  # buffered and running
+    last_batch_size: int = 0
+    batch_p50_ms: float = 0.0  # a batch (static) or a step (continuous)
+    batch_p99_ms: float = 0.0
+    utilization: float = 0.0  # share of the last 10 s spent running batches or steps
+    heartbeat_age_ms: float = 0.0  # broker clock now minus the replica's last publish
+    moving_to: str = ""
 
     @property
     def is_ready(self) -> bool:
-        return self.state == "ready" and self.has_lease
+        """Takes new work: the gateway counts it in its model's capacity."""
+        return self.state == ReplicaState.SERVING and self.has_lease and not self.why_not_ready
+
+    @property
+    def batch_fill(self) -> float:
+        return self.last_batch_size / self.max_batch if self.max_batch else 0.0
 
     @classmethod
-    def from_hash(cls, name: str, h: dict[bytes, bytes], has_lease: bool = True) -> ReplicaInfo:
+    def from_hash(cls, name: str, h: dict[bytes, bytes], has_lease: bool = True, now_ms: float = 0.0) -> ReplicaInfo:
         f = {k.decode(): v.decode() for k, v in h.items()}
+        seen_ms = _number(f.get("seen_ms", "0"))
         return cls(
             name=name,
             model=f.get("model", "?"),
-            state=f.get("state", "?"),
+            state=parse(f.get("state", "?")),
+            state_label=f.get("state", "?"),
+            host=f.get("host", "?"),
+            pid=int(_number(f.get("pid", "0"))),
+            num_held=int(_number(f.get("held", "0"))),
+            last_batch_size=int(_number(f.get("last_batch_size", "0"))),
+            batch_p50_ms=_number(f.get("batch_p50_ms", "0")),
+            batch_p99_ms=_number(f.get("batch_p99_ms", "0")),
+            utilization=_number(f.get("utilization", "0")),
+            heartbeat_age_ms=max(0.0, now_ms - seen_ms) if now_ms and seen_ms else 0.0,
+            moving_to=f.get("moving_to", ""),
             backend=f.get("backend", "?"),
             max_batch=int(f.get("max_batch", 0)),
             batch_ms=float(f.get("batch_ms", 0.0)),
@@ -86,11 +113,13 @@ def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
     for name in names:
         pipe.hgetall(p.replica_key(name))
         pipe.exists(p.lease_key(name))
-    replies = pipe.execute()
+    pipe.time()
+    *replies, (seconds, micros) = pipe.execute()
+    now_ms = seconds * 1000 + micros / 1000
     fleet, dead = [], []
     for name, h, lease in zip(names, replies[::2], replies[1::2], strict=True):
         if h:
-            fleet.append(ReplicaInfo.from_hash(name, h, bool(lease)))
+            fleet.append(ReplicaInfo.from_hash(name, h, bool(lease), now_ms))
         else:
             dead.append(name)
     if dead:

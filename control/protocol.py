@@ -13,7 +13,12 @@ from pydantic import BaseModel, Field
 
 from control.settings import Tier
 
-PREFIX = "kb"
+# Every key the request path uses carries one hash tag, so on a Valkey/Redis cluster they
+# all hash to one slot and each Lua script (which reaches keys named inside it, not only
+# KEYS[]) runs on one shard without a cross-slot error. Spreading the region over shards
+# is by cells, each a tag of its own: docs/decisions/0015-broker-sharding.md.
+HASH_TAG = "{kb}"
+PREFIX = HASH_TAG
 TASK_NAME = "keybatch.complete"
 REPLICAS_KEY = f"{PREFIX}:replicas"
 PAID_PRIORITY = 0  # kombu's Redis transport serves lower numbers first
@@ -27,6 +32,7 @@ CANCEL_TTL_MS = 120_000
 
 
 def queue_name(model: str) -> str:
+    """The model's Celery queue, which is also the Redis list kombu keeps it in (tagged)."""
     return f"{PREFIX}.{model}"
 
 
@@ -94,6 +100,11 @@ def launch_key(model: str) -> str:
 
 def replica_key(name: str) -> str:
     return f"{PREFIX}:replica:{name}"
+
+
+def assignment_key(name: str) -> str:
+    """The model a replica was moved to: it serves that one again after a restart."""
+    return f"{PREFIX}:assign:{name}"
 
 
 class Job(BaseModel):

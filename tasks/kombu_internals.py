@@ -27,6 +27,11 @@ def gate_pulls(channel: Any, wants: Callable[[], bool], on_shut: Callable[[], No
         if wants():
             return True
         on_shut()
-        return bool(channel._in_poll)
+        return is_polling(channel)
 
     qos.can_consume = MethodType(can_consume, qos)
+
+
+def is_polling(channel: Any) -> bool:
+    """Has the channel a pull (BRPOP) in flight, whose message may still arrive?"""
+    return bool(channel._in_poll)

@@ -22,14 +22,16 @@ from typing import Protocol, cast
 import redis
 from redis.typing import EncodableT, FieldT
 
-from control import failover
+from control import failover, traffic
 from control import protocol as p
 from control.clock import BrokerClock, Clock
 from control.fleet import ENGINE_PREFIX
+from control.lifecycle import IllegalTransition, ReplicaState, can_transition, transition
 from control.settings import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 from tasks.messages import job_from_message
+from tasks.perf import BatchTimes
 from tasks.pullgate import PullGate
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,13 @@ class Replica:
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self.stats = Stats()
-        self.state = "starting"
+        self.state = ReplicaState.STARTING  # changed only through control/lifecycle.py
+        self.moving_to = ""  # the model a move loads once the replica is drained
+        self.load_engine: Callable[[str], Engine] | None = None  # set by the worker: what a move needs
+        self.switch_queue: Callable[[str, str], None] = lambda old, new: None
+        self.is_polling: Callable[[], bool] = lambda: False  # the consumer has a pull outstanding
+        self._quiet_since: float | None = None  # monotonic ms since a draining replica held nothing
+        self.perf = BatchTimes()
         self.envelope = envelope or (lambda job: job.model_dump_json())  # what a sweep re-queues
         self.lease_ms = lease_ms
         self.stall_ms = stall_ms
@@ -158,7 +166,7 @@ class Replica:
     def start(self) -> None:
         self._take_over_name()
         self._sync_clock(samples=5)
-        self.state = "ready" if not self.why_not_ready else "not_ready"
+        self.state = transition(self.state, ReplicaState.SERVING)  # ready unless `why_not_ready`
         self._renew_lease()
         self._publish_state()
         self._loop.start()
@@ -193,7 +201,8 @@ class Replica:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop taking work, run what is buffered, leave the registry."""
-        self.state = "stopping"
+        if can_transition(self.state, ReplicaState.STOPPING):
+            self.state = transition(self.state, ReplicaState.STOPPING)
         with self._cond:
             self._stopping = True
             self.gate.stopping = True
@@ -225,13 +234,15 @@ class Replica:
     def wants_messages(self) -> bool:
         """May the consumer pull another request from the shared queue now (`PullGate`)?
         Read without the lock: a stale answer costs one message at most."""
+        if not self._is_taking():
+            return False
         if self.engine.continuous:
             return self.gate.wants_continuous(len(self.collector), self.engine.free_slots())
         return self.gate.wants(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
     def reopens_at_ms(self) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""
-        if self.engine.continuous:
+        if self.engine.continuous or not self._is_taking():
             return None
         return self.gate.reopens_at(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
@@ -240,10 +251,19 @@ class Replica:
         message from the queue); the recorder thread writes it into the held hash within
         `RECORD_MS`, so that a sweep can re-queue it if this replica dies."""
         pending = self._pending(job)
+        if self.engine.continuous:
+            # A continuous engine takes requests one by one, tens a second: the record
+            # is written right here, in the consumer's thread, before the request is
+            # buffered. The recorder thread's grouping would leave it unrecorded while
+            # the engine's step holds the interpreter, a window a kill falls into.
+            self._write_held([job])
         with self._cond:
+            if self.state == ReplicaState.DRAINED:  # a pull sent just before the drain: run it
+                self.state = transition(self.state, ReplicaState.DRAINING)
             self.collector.add(pending)
             self._cond.notify()
-        self._hold([job])
+        if not self.engine.continuous:
+            self._hold([job])
 
     def _hold(self, jobs: list[p.Job]) -> None:
         """Hand requests to the recorder thread."""
@@ -266,13 +286,16 @@ class Replica:
             self._stopped.wait(RECORD_MS / 1000.0)
             with self._arrivals:
                 jobs, self._unrecorded = self._unrecorded, []
-            args: list[EncodableT] = [self.name]
-            for job in jobs:
-                args += [job.id, job.key, self._held_record(job)]
-            try:  # only those still in flight: one answered meanwhile must not come back
-                self._record_held(args=args)
-            except redis.RedisError:
-                log.warning("could not record %d requests as held", len(jobs))
+            self._write_held(jobs)
+
+    def _write_held(self, jobs: list[p.Job]) -> None:
+        args: list[EncodableT] = [self.name]
+        for job in jobs:
+            args += [job.id, job.key, self._held_record(job)]
+        try:  # only those still in flight: one answered meanwhile must not come back
+            self._record_held(args=args)
+        except redis.RedisError:
+            log.warning("could not record %d requests as held", len(jobs))
 
     def _pending(self, job: p.Job) -> Pending:
         return Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
@@ -284,6 +307,7 @@ class Replica:
             batch: list[Pending] = []
             try:
                 self.renew_lease_if_due()
+                self._check_drained()
                 self.collector.config.batch_ms = self.engine.expected_batch_ms()  # measured, where the engine can
                 if due:
                     batch, dropped = self._take()
@@ -312,7 +336,7 @@ class Replica:
                 wait = self.collector.wait_ms(self.clock.now_ms())
                 if wait is None and self._stopping:
                     return None
-                if wait == 0 or (wait is not None and self._stopping):
+                if wait == 0 or (wait is not None and self._is_flushing()):
                     return True
                 renew_in = self._renew_at_ms - _monotonic_ms()
                 if renew_in <= 0:
@@ -353,14 +377,14 @@ class Replica:
     def _take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
         with self._cond:
             ids = self.collector.ids()
-            room = 0 if self._stopping else self.collector.num_free()
+            room = self.collector.num_free() if self._is_taking() else 0
         # One round trip: cancels for the whole buffer, and paid requests still in
         # the queue that would otherwise ride behind free ones already buffered.
         reasons, late_paid = self._cancels_and_paid(ids, room)
         with self._cond:
             now = self.clock.now_ms()
             dropped = self._sort_buffer(late_paid, reasons, now)
-            due = self.collector.wait_ms(now) == 0 or self._stopping
+            due = self.collector.wait_ms(now) == 0 or self._is_flushing()
             batch = self.collector.pop_batch() if due else []
             if batch:
                 self.gate.start(now, self.engine.expected_batch_ms())
@@ -446,9 +470,11 @@ class Replica:
     def _execute(self, batch: list[Pending]) -> None:
         jobs = [held(pending).job for pending in batch]
         self.events.started(batch)
+        self.stats.last_batch_size = len(batch)  # shown while it runs
         start = self.clock.now_ms()
         outputs = self._run_isolating(jobs, _Control(self, batch))
         end = self.clock.now_ms()
+        self.perf.add(self._batch_started, _monotonic_ms())
         self._answer(jobs, outputs, start, end)
         self.stats.num_batches += 1
         self.stats.num_requests += len(batch)
@@ -476,6 +502,7 @@ class Replica:
             self._sent.pop(job.id, None)
         pipe = self.redis.pipeline(transaction=False)
         self._reply(pipe, results, jobs)
+        traffic.record_done(pipe, self.model, ((job.tier, end - job.received_ms) for job in jobs), end)
         self._mark_idle(pipe)
         self._lease_commands(pipe)
         pipe.zrange(p.launch_key(self.model), 0, -1, withscores=True)
@@ -566,6 +593,7 @@ class Replica:
         while self._wait_for_work():
             try:
                 self.renew_lease_if_due()
+                self._check_drained()
                 self._admit()
                 if self.engine.has_unfinished():
                     self._step()
@@ -596,7 +624,7 @@ class Replica:
         self.collector.config.batch_ms = self.engine.expected_batch_ms()  # learned, not assumed
         with self._cond:
             ids = self.collector.ids()
-            room = 0 if self._stopping else min(self.collector.num_free(), self.engine.free_slots())
+            room = min(self.collector.num_free(), self.engine.free_slots()) if self._is_taking() else 0
         running = list(self._joined)
         reasons, late_paid = self._cancels_and_paid(ids + running, room)
         now = self.clock.now_ms()
@@ -608,7 +636,7 @@ class Replica:
                 self.busy = True
         if late_paid:
             launched = {pending.id for pending in batch}
-            self._hold([job for job, _raw in late_paid if job.id not in launched])
+            self._write_held([job for job, _raw in late_paid if job.id not in launched])
         batch = self._settle(batch, {reason: group for reason, group in dropped.items() if group})
         return self._join(batch)
 
@@ -667,6 +695,7 @@ class Replica:
         self._batch_started = _monotonic_ms()
         num_running = len(self._joined)
         outputs = self.engine.step()
+        self.perf.add(self._batch_started, _monotonic_ms())
         finished: list[tuple[Pending, StepOutput]] = []
         for out in outputs:
             entry = self._joined.get(out.id)
@@ -700,6 +729,7 @@ class Replica:
             jobs.append(job)
         pipe = self.redis.pipeline(transaction=False)
         self._reply(pipe, items, jobs)
+        traffic.record_done(pipe, self.model, ((job.tier, end - job.received_ms) for job in jobs), end)
         self._lease_commands(pipe)
         pipe.execute()
         self.stats.num_batches += 1
@@ -762,8 +792,6 @@ class Replica:
                 self._give_up_stalled()
             try:
                 self._sync_clock()
-                if self.state in ("ready", "not_ready"):
-                    self.state = "ready" if not self.why_not_ready else "not_ready"
                 self._publish_state()
             except redis.RedisError:
                 log.warning("heartbeat failed")
@@ -780,7 +808,8 @@ class Replica:
             _monotonic_ms() - self._batch_started,
             self.engine.expected_batch_ms(),
         )
-        self.state = "stalled"
+        if can_transition(self.state, ReplicaState.STALLED):
+            self.state = transition(self.state, ReplicaState.STALLED)
         try:
             self._publish_state()
         finally:
@@ -792,12 +821,15 @@ class Replica:
             return {}
         return {f"{ENGINE_PREFIX}{k}": round(v, 3) for k, v in _numeric(stats()).items()}
 
-    def _publish_state(self) -> None:
+    def report(self) -> dict[str, EncodableT]:
+        """What the replica publishes in the registry (and answers over remote control)."""
         with self._cond:
             buffered = len(self.collector)
-        fields: dict[str, EncodableT] = {
+        return {
             "model": self.model,
-            "state": self.state,
+            "state": self.state.label,
+            "held": buffered + self._num_running(),
+            "moving_to": self.moving_to,
             "backend": self.engine.name,
             "max_batch": self.engine.max_batch,
             "batch_ms": self.engine.expected_batch_ms(),
@@ -809,17 +841,173 @@ class Replica:
             "why_not_ready": self.why_not_ready,
             "clock_offset_ms": round(getattr(self.clock, "offset_ms", 0.0), 1),
             **self.stats.as_fields(),
+            **self.perf.as_fields(_monotonic_ms()),
             **self._engine_fields(),
         }
+
+    def _publish_state(self) -> None:
+        fields = self.report()
         key = p.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)
         # redis-py types the mapping's keys invariantly as FieldT, which refuses a dict[str, ...].
         pipe.hset(key, mapping=cast("dict[FieldT, EncodableT]", fields))
         pipe.pexpire(key, int(self.ttl_s * 1000))
         pipe.sadd(p.REPLICAS_KEY, self.name)
-        if not self.busy and self.state == "ready":
+        if not self.busy and self.state.takes_work:
             self._mark_idle(pipe, refresh_only=self._loop.is_alive())
         pipe.execute()
+
+    # -- operator actions: drain, resume, move (states: control/lifecycle.py) ----------
+
+    def _is_taking(self) -> bool:
+        return not self._stopping and self.state.takes_work
+
+    def _is_flushing(self) -> bool:
+        """Run what is buffered now, without waiting to fill a batch."""
+        return self._stopping or not self.state.takes_work
+
+    def _num_running(self) -> int:
+        if self.engine.continuous:
+            return len(self._joined)
+        return self.stats.last_batch_size if self.busy else 0
+
+    def _set_state(self, wanted: ReplicaState, only_from: ReplicaState | None = None) -> bool:
+        """Move to `wanted` (IllegalTransition if the table forbids it); with `only_from`,
+        only if the replica is in that state now (else False: another thread moved it)."""
+        with self._cond:
+            if only_from is not None and self.state != only_from:
+                return False
+            self.state = transition(self.state, wanted)
+            self._quiet_since = None
+            self._cond.notify_all()
+        try:
+            self._publish_state()
+        except redis.RedisError:
+            log.warning("could not publish the state %s", wanted.label)
+        return True
+
+    def drain(self) -> ReplicaState:
+        """Take no new work; finish what is held; then report drained. Idempotent."""
+        if self.state in (ReplicaState.DRAINING, ReplicaState.DRAINED):
+            return self.state
+        self._set_state(ReplicaState.DRAINING)
+        try:  # peers must not count on this replica for the next batch
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(p.idle_key(self.model), self.name)
+            pipe.zrem(p.launch_key(self.model), self.name)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not leave the idle and launch lists")
+        return self.state
+
+    def resume(self) -> ReplicaState:
+        """Serve again (a drain is called off). Idempotent."""
+        if self.state == ReplicaState.MOVING:
+            raise ValueError("a moving replica serves again once its new model is loaded")
+        if self.state != ReplicaState.SERVING:
+            self.moving_to = ""
+            self._set_state(ReplicaState.SERVING)
+            self._rejoin_idle()
+            self.wake()  # the consumer asks the gate again
+        return self.state
+
+    def _rejoin_idle(self) -> None:
+        """Back in the model's idle list (a heartbeat only refreshes an entry), so peers
+        leave new work to it as to any idle replica."""
+        if self.busy:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            self._mark_idle(pipe)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not rejoin the idle list")
+
+    def move(self, model: str) -> ReplicaState:
+        """Drain, then load `model`, consume its queue instead and serve it."""
+        if self.load_engine is None:
+            raise IllegalTransition(self.state, ReplicaState.MOVING)
+        if model == self.model and self.state == ReplicaState.SERVING:
+            return self.state
+        if self.state == ReplicaState.MOVING or not (
+            self.state == ReplicaState.DRAINED or can_transition(self.state, ReplicaState.DRAINING)
+        ):
+            raise IllegalTransition(self.state, ReplicaState.MOVING)
+        self.moving_to = model
+        state = self.drain()
+        self._check_drained()
+        return state
+
+    def _check_drained(self) -> None:
+        """A draining replica that holds nothing, and whose consumer has no pull in
+        flight, twice in a row at least 20 ms apart (a pull decided just before the gate
+        shut may start a moment later), is drained; a drained one with a move to make
+        makes it."""
+        if self.state == ReplicaState.DRAINED and self.moving_to:
+            self._start_move()
+            return
+        if self.state != ReplicaState.DRAINING:
+            return
+        with self._cond:
+            quiet = not self.collector and not self.busy and not self._joined and not self.is_polling()
+            now = _monotonic_ms()
+            if not quiet:
+                self._quiet_since = None
+                return
+            if self._quiet_since is None:
+                self._quiet_since = now
+                return
+            if now - self._quiet_since < 20.0:
+                return
+        if self._set_state(ReplicaState.DRAINED, only_from=ReplicaState.DRAINING):
+            log.info("replica %s drained", self.name)
+            if self.moving_to:
+                self._start_move()
+
+    def _start_move(self) -> None:
+        if not self.moving_to or not self._set_state(ReplicaState.MOVING, only_from=ReplicaState.DRAINED):
+            return
+        threading.Thread(target=self._move, name=f"move-{self.name}", daemon=True).start()
+
+    def _move(self) -> None:
+        """Load the other model (seconds for a real one: off the batching loop), switch
+        the consumer to its queue, and serve it."""
+        old, new = self.model, self.moving_to
+        try:
+            assert self.load_engine is not None
+            engine = self.load_engine(new) if new != old else self.engine
+            self._finish_old_model()
+            self.switch_queue(p.queue_name(old), p.queue_name(new))
+        except Exception:
+            log.exception("could not move %s to %s; it stays drained on %s", self.name, new, old)
+            self.moving_to = ""
+            self._set_state(ReplicaState.DRAINED, only_from=ReplicaState.MOVING)
+            return
+        with self._cond:
+            self.engine, self.model = engine, new
+            self.collector.config.batch_ms = engine.expected_batch_ms()
+            self.gate.peers(idle=True, launches=[])
+        self.moving_to = ""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(p.idle_key(old), self.name)
+            pipe.set(p.assignment_key(self.name), new)  # kept across a restart (control/cli.py)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not record the move of %s to %s", self.name, new)
+        self._set_state(ReplicaState.SERVING, only_from=ReplicaState.MOVING)
+        self._rejoin_idle()
+        log.info("replica %s moved from %s to %s", self.name, old, new)
+        self.wake()
+
+    def _finish_old_model(self, timeout_s: float = 30.0) -> None:
+        """Run anything of the old model still here before its engine goes (none, unless a
+        pull slipped past the drained check): the loop runs it, as the replica takes no work."""
+        deadline = _monotonic_ms() + timeout_s * 1000
+        while self.collector or self.busy or self._joined:
+            if _monotonic_ms() > deadline:
+                raise TimeoutError("requests of the old model still running")
+            self._stopped.wait(0.01)
 
 
 def _numeric(stats: dict[str, object]) -> dict[str, float]:

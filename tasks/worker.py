@@ -11,14 +11,19 @@ thread asks of the consumer goes through the consumer's thread-safe call_soon.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from celery import Celery, Task, bootsteps
+from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
 
 from control import protocol as p
 from control.clock import BrokerClock, SystemClock
+from control.lifecycle import IllegalTransition
 from control.memory import freeze_startup_objects
 from control.settings import Settings
 from tasks import celery_internals, kombu_internals
@@ -34,6 +39,7 @@ class ReplicaSpec:
     model: str
     settings: Settings
     engine: Engine
+    load_engine: Callable[[str], Engine] | None = None  # another model's engine, for a move
 
 
 class BatchedTask(Task):
@@ -141,6 +147,9 @@ class ReplicaStep(bootsteps.StartStopStep):
                 stall_ms=s.stall_ms,
                 max_clock_error_ms=s.max_clock_error_ms,
             )
+            self.replica.load_engine = spec.load_engine
+            self.replica.switch_queue = partial(_switch_queue, c)
+            self.replica.is_polling = partial(kombu_internals.is_polling, c.task_consumer.channel)
             self.replica.start()
             celery_internals.reconnect_quickly(c)
             _gate_consumer(c, self.replica)
@@ -154,6 +163,70 @@ class ReplicaStep(bootsteps.StartStopStep):
         if self.replica is not None:
             self.replica.stop()
             self.replica = None
+
+
+# -- remote control: the operator's commands (control/ops.py), run on the consumer's thread --
+
+
+def _act(state: Any, action: Callable[[Replica], object]) -> dict[str, Any]:
+    replica: Replica | None = getattr(state.consumer, "keybatch_replica", None)
+    if replica is None:
+        return {"ok": False, "error": "the replica has not started"}
+    try:
+        action(replica)
+    except (IllegalTransition, ValueError) as exc:
+        return {"ok": False, "error": str(exc), "state": replica.state.label, "model": replica.model}
+    return {"ok": True, **replica.report()}
+
+
+@control_command()
+def kb_drain(state: Any) -> dict[str, Any]:
+    """keybatch: take no new work, finish what is held, then report drained."""
+    return _act(state, lambda r: r.drain())
+
+
+@control_command()
+def kb_resume(state: Any) -> dict[str, Any]:
+    """keybatch: serve again after a drain."""
+    return _act(state, lambda r: r.resume())
+
+
+@control_command(args=[("model", str)], signature="<model>")
+def kb_move(state: Any, model: str) -> dict[str, Any]:
+    """keybatch: drain, load another model and serve its queue."""
+    if model not in state.consumer.app.keybatch_spec.settings.models:
+        return {"ok": False, "error": f"unknown model {model!r}"}
+    return _act(state, lambda r: r.move(model))
+
+
+@inspect_command()
+def kb_replica(state: Any) -> dict[str, Any]:
+    """keybatch: the replica's state, model, load: what it publishes in the registry."""
+    return _act(state, lambda r: None)
+
+
+def _switch_queue(c: Any, old: str, new: str, timeout_s: float = 10.0) -> None:
+    """Consume `new` instead of `old` (Celery's cancel_consumer/add_consumer), on the
+    consumer's own thread; called by a drained replica, whose gate is shut and whose
+    consumer has no pull in flight."""
+    done: list[BaseException | None] = []
+    finished = threading.Event()
+
+    def switch() -> None:
+        try:
+            if old != new:
+                c.cancel_task_queue(old)
+                c.add_task_queue(new)
+            done.append(None)
+        except BaseException as exc:  # handed to the waiting thread
+            done.append(exc)
+        finished.set()
+
+    c.call_soon(switch)
+    if not finished.wait(timeout_s):
+        raise TimeoutError(f"the consumer did not switch from {old} to {new} within {timeout_s:.0f} s")
+    if done[0] is not None:
+        raise done[0]
 
 
 def _noop() -> None:
@@ -176,13 +249,21 @@ def _gate_consumer(c: Any, replica: Replica) -> None:
     kombu_internals.gate_pulls(c.task_consumer.channel, replica.wants_messages, reopen_timer)
 
 
-def run_worker(settings: Settings, model: str, engine: Engine, name: str, loglevel: str = "INFO") -> None:
-    """Run one replica in the foreground (blocks until shutdown)."""
+def run_worker(
+    settings: Settings,
+    model: str,
+    engine: Engine,
+    name: str,
+    loglevel: str = "INFO",
+    load_engine: Callable[[str], Engine] | None = None,
+) -> None:
+    """Run one replica in the foreground (blocks until shutdown); `load_engine` makes
+    another model's engine when the operator moves the replica."""
     from tasks.app import make_celery
 
     app = make_celery(settings)
     app.task(name=p.TASK_NAME, base=BatchedTask, bind=True)(_never_called)
-    app.keybatch_spec = ReplicaSpec(model, settings, engine)
+    app.keybatch_spec = ReplicaSpec(model, settings, engine, load_engine)
     app.steps["consumer"].add(ReplicaStep)
     argv = [
         "worker",

@@ -74,16 +74,23 @@ class Deployment:
 
 @contextmanager
 def deployment(
-    workers: int = 2, backend: str = "fixed", policy: str = "static", model: str = MODEL, **env: str
+    workers: int = 2,
+    backend: str = "fixed",
+    policy: str = "static",
+    model: str = MODEL,
+    models: tuple[str, ...] = (),
+    **env: str,
 ) -> Iterator[Deployment]:
-    """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings."""
+    """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings;
+    `models` (default: `model` alone) get the workers round robin."""
     saved = dict(os.environ)
     os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
     os.environ.pop("KEYBATCH_REDIS_URL", None)
     for key, value in env.items():
         os.environ[f"KEYBATCH_{key.upper()}"] = value
     try:
-        plan = Plan(workers=workers, backend=backend, policy=policy, models=[model], port=free_port(), quiet=True)
+        served = list(models or (model,))
+        plan = Plan(workers=workers, backend=backend, policy=policy, models=served, port=free_port(), quiet=True)
         system = System(Settings(), plan)
         system.start()
         try:

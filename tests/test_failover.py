@@ -16,6 +16,7 @@ import pytest
 import redis
 import requests
 
+from control import protocol as p
 from tests.conftest import MODEL, Deployment, deployment, until
 
 BUDGET = {"X-Deadline-Ms": "2000"}
@@ -34,13 +35,13 @@ def _burst(kb: Deployment, n: int, **headers: str) -> list:
 
 def _held(kb: Deployment) -> dict[str, int]:
     state = redis.Redis.from_url(kb.system.redis_url)
-    return {k.decode(): state.hlen(k) for k in state.keys("kb:held:*")}
+    return {k.decode(): state.hlen(k) for k in state.keys(p.held_key("*"))}
 
 
 def _replica_for(kb: Deployment, pid: int) -> str:
     state = redis.Redis.from_url(kb.system.redis_url)
-    for name in state.smembers("kb:replicas"):
-        if state.hget(f"kb:replica:{name.decode()}", "pid") == str(pid).encode():
+    for name in state.smembers(p.REPLICAS_KEY):
+        if state.hget(p.replica_key(name.decode()), "pid") == str(pid).encode():
             return name.decode()
     raise AssertionError(f"no replica with pid {pid}")
 
@@ -50,13 +51,13 @@ def test_a_replica_killed_mid_batch_loses_no_request() -> None:
         victim = kb.system.workers[0]
         name = _replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)  # it holds some of them
+        assert until(lambda: _held(kb).get(p.held_key(name), 0) > 0, 5)  # it holds some of them
         victim.send_signal(signal.SIGKILL)
         answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
         assert all(a.json()["keybatch"]["replica"] != name or a.elapsed.total_seconds() < 2 for a in answers)
         assert len({a.json()["id"] for a in answers}) == 60
-        assert f"kb:held:{name}" not in _held(kb)  # swept
+        assert p.held_key(name) not in _held(kb)  # swept
 
 
 def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None:
@@ -64,7 +65,7 @@ def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None
         victim = kb.system.workers[0]
         name = _replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert until(lambda: _held(kb).get(f"kb:held:{name}", 0) > 0, 5)
+        assert until(lambda: _held(kb).get(p.held_key(name), 0) > 0, 5)
         victim.send_signal(signal.SIGSTOP)
         try:
             answers = [f.result() for f in futures]
@@ -96,12 +97,12 @@ def test_a_replica_whose_clock_is_off_still_meets_deadlines(fleet: Deployment) -
         for worker in fleet.system.workers:  # the skewed replica alone serves
             worker.send_signal(signal.SIGSTOP)
         state = redis.Redis.from_url(fleet.system.redis_url)
-        assert until(lambda: state.exists("kb:lease:skewed@test") and len(state.keys("kb:lease:*")) == 1, 15)
+        assert until(lambda: state.exists(p.lease_key("skewed@test")) and len(state.keys(p.lease_key("*"))) == 1, 15)
         assert until(lambda: fleet.post().status_code == 200, 5)
         answers = [f.result() for f in _burst(fleet, 10)]
         assert [a.status_code for a in answers] == [200] * 10
         assert {a.json()["keybatch"]["replica"] for a in answers} == {"skewed@test"}
-        offset = float(state.hget("kb:replica:skewed@test", "clock_offset_ms") or 0)
+        offset = float(state.hget(p.replica_key("skewed@test"), "clock_offset_ms") or 0)
         assert -450 < offset < -350  # it knows how far off it is
     finally:
         for worker in fleet.system.workers:

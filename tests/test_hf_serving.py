@@ -38,8 +38,10 @@ def _complete(d: Deployment, **body: object) -> requests.Response:
 def _fleet(d: Deployment) -> list[dict]:
     import redis
 
+    from control import protocol as p
+
     state = redis.Redis.from_url(d.system.redis_url)
-    return [state.hgetall(f"kb:replica:{n.decode()}") for n in state.smembers("kb:replicas")]
+    return [state.hgetall(p.replica_key(n.decode())) for n in state.smembers(p.REPLICAS_KEY)]
 
 
 def test_each_request_gets_one_answer(hf: Deployment) -> None:

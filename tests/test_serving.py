@@ -10,7 +10,7 @@ import openai
 import redis
 import requests
 
-from control.protocol import Job
+from control.protocol import Job, waiting_key
 from tasks.engine import simulated_text
 from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment
 
@@ -73,7 +73,7 @@ def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
     cancel = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
     assert cancel.status_code == 200
     state = redis.Redis.from_url(kb.system.redis_url)
-    assert state.zscore(f"kb:waiting:{MODEL}:free", "to-cancel") is None  # no longer counted as queued
+    assert state.zscore(waiting_key(MODEL, "free"), "to-cancel") is None  # no longer counted as queued
     answer = queued.result(5)
     assert answer.status_code == 409
     assert answer.json()["error"]["code"] == "cancelled"
