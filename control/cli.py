@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_model_args(sub.add_parser("model", help="build the local code models, or measure their quality"))
 
+    from control.capacity import add_capacity_args
+
+    add_capacity_args(sub.add_parser("capacity", help="capacity arithmetic and simulation at any request rate"))
+
     from control.fleetcli import add_fleet_args
 
     add_fleet_args(sub)
@@ -246,6 +250,12 @@ def _chaos(settings: Settings, args: argparse.Namespace) -> int:
     return run_chaos(settings, args)
 
 
+def _capacity(settings: Settings, args: argparse.Namespace) -> int:
+    from control.capacity import run_capacity
+
+    return run_capacity(args)
+
+
 def _fleet(settings: Settings, args: argparse.Namespace) -> int:
     from control.fleetcli import run_fleet_command
 
@@ -268,5 +278,6 @@ COMMANDS = {
     "dash": _dash,
     "chaos": _chaos,
     "model": _model,
+    "capacity": _capacity,
     **dict.fromkeys(("fleet", "drain", "resume", "move", "rebalance"), _fleet),
 }
