@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from enum import IntEnum
 
-from control.settings import Tier
+from control.tiers import Tier
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from control.settings import Tier
+from control.tiers import Tier
 
 # Every key the request path uses carries one hash tag, so on a Valkey/Redis cluster they
 # all hash to one slot and each Lua script (which reaches keys named inside it, not only

@@ -10,8 +10,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control.connect import check_url
+from control.tiers import Tier
 
-Tier = Literal["paid", "free"]
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 Backend = Literal["fixed", "hf"]
 Policy = Literal["static", "continuous"]

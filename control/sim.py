@@ -34,7 +34,7 @@ import numpy as np
 
 from control import admission
 from control.admission import Capacity, Limits, RateMeter, Verdict
-from control.settings import Tier
+from control.tiers import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.pullgate import PullGate
 from tasks.scheduler import ContinuousScheduler, RunningRequest, SchedulerConfig, SchedulerOutput, WaitingRequest

@@ -20,7 +20,7 @@ from typing import get_args
 import redis
 
 from control import protocol as p
-from control.settings import Tier
+from control.tiers import Tier
 
 KEEP_S = 120
 LATENCY_BOUNDS_MS = (25, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000, 3000, 5000, 10000, 60000)

@@ -27,7 +27,7 @@ from control import protocol as p
 from control.clock import BrokerClock, Clock
 from control.fleet import ENGINE_PREFIX
 from control.lifecycle import IllegalTransition, ReplicaState, can_transition, transition
-from control.settings import Tier
+from control.tiers import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 from tasks.messages import job_from_message

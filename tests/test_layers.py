@@ -64,3 +64,29 @@ def test_no_import_cycles() -> None:
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+POLICY = [
+    "tasks.collector",
+    "tasks.pullgate",
+    "tasks.scheduler",
+    "control.admission",
+    "control.rebalance",
+    "control.lifecycle",
+    "control.sim",
+    "control.capacity",
+]
+NOT_IN_POLICY = ["redis", "celery", "kombu", "flask", "gevent", "torch", "transformers"]
+
+
+def test_policy_code_imports_no_broker_client_no_web_framework_no_torch() -> None:
+    """The simulator runs the policy code the replicas and gateways run: none of it may
+    load a Redis client, Celery, Flask or torch."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {POLICY!r}: importlib.import_module(name)\n"
+        f"print(json.dumps([m for m in {NOT_IN_POLICY!r} if m in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
