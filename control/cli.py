@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         add_peer_args,
         add_policies_args,
         add_serving_args,
+        add_simcheck_args,
     )
 
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     add_peer_args(
         bench_sub.add_parser("peer", help="keybatch against transformers serve (needs `pip install -e .[peer]`)")
     )
+    add_simcheck_args(bench_sub.add_parser("simcheck", help="the simulator against the live fleet at the same loads"))
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
     )
@@ -199,6 +201,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.brokerbench import run_broker
 
         return run_broker(args)
+    if args.bench == "simcheck":
+        from control.simcheck import run_simcheck
+
+        return run_simcheck(args)
     if args.bench == "gateway-cpu":
         from control.cpubench import run_gateway_cpu
 

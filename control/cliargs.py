@@ -192,3 +192,12 @@ def add_broker_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-rps", type=float, default=40_000.0, help="requests per second a region must carry")
     p.add_argument("--utilization", type=float, default=0.5, help="the share of a Valkey core to plan on")
     p.add_argument("--json", default=None, help="write all figures here")
+
+
+def add_simcheck_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--loads", default="0.3,0.6,0.9", help="shares of the fleet's capacity")
+    p.add_argument("--workers", type=int, default=2, help="replicas")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds per load")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hf-rps", type=float, default=0.0, help="also the torch engine (kb-small) at this rate; 0: not")
+    p.add_argument("--json", default=None, help="write all figures here")
