@@ -115,8 +115,11 @@ class Deployment:
     """One `keybatch up` subprocess; its processes are found by role among its
     descendants each time they are needed (a supervisor may have replaced them)."""
 
-    def __init__(self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None) -> None:
+    def __init__(
+        self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None, models: list[str] | None = None
+    ) -> None:
         self.name = name
+        self.models = models or [MODEL]
         self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
         self.env = env
@@ -130,7 +133,7 @@ class Deployment:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "control", "up", "--backend", "fixed", "--policy", "static"]
         cmd += ["--workers", str(self.replicas_wanted)]
-        cmd += ["--models", MODEL, "--port", str(self.port)]
+        cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(
                 cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=logfile, text=True

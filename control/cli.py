@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from control.cliargs import (
         add_broker_bench_args,
+        add_dash_bench_args,
         add_engine_bench_args,
         add_gateway_cpu_args,
         add_load_args,
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         bench_sub.add_parser("peer", help="keybatch against transformers serve (needs `pip install -e .[peer]`)")
     )
     add_simcheck_args(bench_sub.add_parser("simcheck", help="the simulator against the live fleet at the same loads"))
+    add_dash_bench_args(bench_sub.add_parser("dash", help="the dashboard's own CPU, watching a fleet under load"))
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
     )
@@ -95,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dash", help="the operators' terminal dashboard (Textual)")
     dash.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the fleet")
     dash.add_argument("--slo-ms", type=float, default=600.0, help="the end-to-end p99 the fleet promises")
+    dash.add_argument("--screenshot", default=None, help="write an SVG of the screen here when it quits")
+    dash.add_argument("--exit-after", type=float, default=None, help="quit after this many seconds")
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
     flower.add_argument(
@@ -201,6 +205,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.brokerbench import run_broker
 
         return run_broker(args)
+    if args.bench == "dash":
+        from control.dashbench import run_dash_bench
+
+        return run_dash_bench(args)
     if args.bench == "simcheck":
         from control.simcheck import run_simcheck
 
@@ -222,7 +230,7 @@ def _dash(settings: Settings, args: argparse.Namespace) -> int:
     from control.ops import Operator
     from tui.dash import run_dash
 
-    run_dash(Operator(settings), args.poll_s, args.slo_ms)
+    run_dash(Operator(settings), args.poll_s, args.slo_ms, args.screenshot, args.exit_after)
     return 0
 
 

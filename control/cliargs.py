@@ -201,3 +201,11 @@ def add_simcheck_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--hf-rps", type=float, default=0.0, help="also the torch engine (kb-small) at this rate; 0: not")
     p.add_argument("--json", default=None, help="write all figures here")
+
+
+def add_dash_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=8, help="over two models")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds the dashboard's CPU is read over")
+    p.add_argument("--load", type=float, default=0.5, help="offered load, a share of each model's capacity")
+    p.add_argument("--svg", default=None, help="write the dashboard's last screen here (SVG)")
+    p.add_argument("--json", default=None, help="write all figures here")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from rich.text import Text
@@ -82,8 +83,17 @@ class Dashboard(App[None]):
         Binding("q", "quit", "quit"),
     ]
 
-    def __init__(self, operator: Operator, poll_s: float = 1.0, slo_ms: float = 600.0) -> None:
+    def __init__(
+        self,
+        operator: Operator,
+        poll_s: float = 1.0,
+        slo_ms: float = 600.0,
+        screenshot: str | None = None,
+        exit_after_s: float | None = None,
+    ) -> None:
         super().__init__()
+        self.screenshot = screenshot  # an SVG of the screen written when the app ends
+        self.exit_after_s = exit_after_s
         self.operator = operator
         self.poll_s = poll_s
         self.slo_ms = slo_ms
@@ -116,6 +126,14 @@ class Dashboard(App[None]):
         replicas.add_columns("replica", "model", "state", "fill", "util", "held", "hb ms", "p99 ms")
         self.poll()
         self.set_interval(self.poll_s, self.poll)
+        if self.exit_after_s is not None:
+            self.set_timer(self.exit_after_s, self.action_quit)
+
+    async def action_quit(self) -> None:
+        if self.screenshot:
+            path = Path(self.screenshot)
+            self.save_screenshot(filename=path.name, path=str(path.parent.resolve()))
+        self.exit()
 
     # -- polling ------------------------------------------------------------------------
 
@@ -292,5 +310,11 @@ def operator_clock() -> Any:
     return SystemClock()
 
 
-def run_dash(operator: Operator, poll_s: float = 1.0, slo_ms: float = 600.0) -> None:
-    Dashboard(operator, poll_s, slo_ms).run()
+def run_dash(
+    operator: Operator,
+    poll_s: float = 1.0,
+    slo_ms: float = 600.0,
+    screenshot: str | None = None,
+    exit_after_s: float | None = None,
+) -> None:
+    Dashboard(operator, poll_s, slo_ms, screenshot, exit_after_s).run()
