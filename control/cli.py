@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         add_load_args,
         add_peer_args,
         add_policies_args,
+        add_rebalance_bench_args,
         add_serving_args,
         add_simcheck_args,
     )
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_simcheck_args(bench_sub.add_parser("simcheck", help="the simulator against the live fleet at the same loads"))
     add_dash_bench_args(bench_sub.add_parser("dash", help="the dashboard's own CPU, watching a fleet under load"))
+    add_rebalance_bench_args(
+        bench_sub.add_parser("rebalance", help="demand moves between the models: do the replicas follow?")
+    )
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
     )
@@ -205,6 +209,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.brokerbench import run_broker
 
         return run_broker(args)
+    if args.bench == "rebalance":
+        from control.rebalancebench import run_rebalance_bench
+
+        return run_rebalance_bench(args)
     if args.bench == "dash":
         from control.dashbench import run_dash_bench
 

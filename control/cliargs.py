@@ -209,3 +209,13 @@ def add_dash_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", type=float, default=0.5, help="offered load, a share of each model's capacity")
     p.add_argument("--svg", default=None, help="write the dashboard's last screen here (SVG)")
     p.add_argument("--json", default=None, help="write all figures here")
+
+
+def add_rebalance_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load", type=float, default=0.6, help="offered load, a share of the whole fleet's capacity")
+    p.add_argument("--max-batch", type=int, default=16, help="small batches keep the two cores for the replicas")
+    p.add_argument("--steady-s", type=float, default=20.0)
+    p.add_argument("--shift-s", type=float, default=60.0)
+    p.add_argument("--after-s", type=float, default=60.0)
+    p.add_argument("--modes", default="auto,off", help="auto: with the rebalancer; off: without")
+    p.add_argument("--json", default=None, help="write all figures here")
