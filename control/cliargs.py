@@ -103,20 +103,45 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--rps", type=float, required=True)
+    p.description = (
+        "Open-loop load against keybatch or any OpenAI-compatible completions URL: arrivals on schedule "
+        "whatever the answers take; a report per tier, per model and per time window."
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (http://host:port, or .../v1)")
+    p.add_argument("--rps", type=float, required=True, help="requests a second (the peak for diurnal)")
     p.add_argument("--duration", type=float, required=True, help="seconds")
+    p.add_argument(
+        "--arrivals",
+        choices=["poisson", "bursts", "diurnal", "typing"],
+        default="poisson",
+        help="poisson: flat; bursts: 3x for 2 s of every 20 s; diurnal: a day compressed into the run, "
+        "20%% at night up to the peak mid-run; typing: users in typing sessions, a request per "
+        "keystroke pause with X-Session-Id, each superseding the one before (409 superseded)",
+    )
     p.add_argument(
         "--profile",
         choices=["free", "mixed", "paid"],
         default="free",
         help="free: all free; mixed: 30%% paid; paid: all paid",
     )
-    p.add_argument("--model", default="kb-small")
+    p.add_argument("--paid-fraction", type=float, default=None, help="share of paid requests (instead of --profile)")
+    p.add_argument("--model", default="kb-small", help="the model, without --models")
+    p.add_argument("--models", default=None, help="a mix, e.g. kb-small=0.8,kb-large=0.2")
+    p.add_argument("--shift-to", default=None, help="the mix the demand moves to, e.g. kb-small=0.2,kb-large=0.8")
+    p.add_argument("--shift-from-s", type=float, default=None, help="when the shift starts (seconds into the run)")
+    p.add_argument("--shift-over-s", type=float, default=None, help="how long it takes, linearly (0: at once)")
+    p.add_argument("--keystrokes", type=float, default=6.0, help="typing: requests per session on average")
+    p.add_argument("--pause-ms", type=float, default=350.0, help="typing: a pause is 100 ms + exponential of this")
     p.add_argument("--paid-key", default=None)
     p.add_argument("--free-key", default=None)
-    p.add_argument("--deadline-ms", type=float, default=None)
-    p.add_argument("--json", default=None, help="write the summary and records here")
+    p.add_argument("--api-key", default=None, help="one key for every request (a server without paid/free tiers)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--deadline-ms", type=float, default=None, help="sent as X-Deadline-Ms")
+    p.add_argument("--seed", type=int, default=1, help="the arrivals, tiers and models drawn")
+    p.add_argument("--window-s", type=float, default=5.0, help="report p50/p99 per window of this many seconds")
+    p.add_argument("--slo-ms", type=float, default=None, help="say from when each model's p99 per window held it")
+    p.add_argument("--json", default=None, help="write the report and every request here")
+    p.add_argument("--plot", default=None, help="draw latency, offered rate and answers other than 200 over time (PNG)")
 
 
 CHAOS_SCENARIOS = {  # control/chaos.py has one fault for each
