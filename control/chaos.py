@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
@@ -115,10 +115,13 @@ class Deployment:
     """One `keybatch up` subprocess; its processes are found by role among its
     descendants each time they are needed (a supervisor may have replaced them)."""
 
-    def __init__(self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None) -> None:
+    def __init__(
+        self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None, models: Sequence[str] = (MODEL,)
+    ) -> None:
         self.name = name
         self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
+        self.models = list(models)  # `up --models`: its replicas go round robin over this list
         self.env = env
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -130,7 +133,7 @@ class Deployment:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "control", "up", "--backend", "fixed", "--policy", "static"]
         cmd += ["--workers", str(self.replicas_wanted)]
-        cmd += ["--models", MODEL, "--port", str(self.port)]
+        cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(
                 cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=logfile, text=True
