@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
@@ -116,12 +116,12 @@ class Deployment:
     descendants each time they are needed (a supervisor may have replaced them)."""
 
     def __init__(
-        self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None, models: list[str] | None = None
+        self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None, models: Sequence[str] = (MODEL,)
     ) -> None:
         self.name = name
-        self.models = models or [MODEL]
         self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
+        self.models = list(models)  # `up --models`: its replicas go round robin over this list
         self.env = env
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         add_engine_bench_args,
         add_gateway_cpu_args,
         add_load_args,
+        add_ops_bench_args,
         add_peer_args,
         add_policies_args,
         add_rebalance_bench_args,
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_broker_bench_args(
         bench_sub.add_parser("broker", help="Valkey's commands, bytes and CPU per request, and one core's share")
+    )
+    add_ops_bench_args(
+        bench_sub.add_parser("ops", help="drain and move a replica under load: nothing lost, how long, p99")
     )
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
     from control.cliargs import add_chaos_args
@@ -221,6 +225,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.simcheck import run_simcheck
 
         return run_simcheck(args)
+    if args.bench == "ops":
+        from control.opsbench import run_ops
+
+        return run_ops(settings, args)
     if args.bench == "gateway-cpu":
         from control.cpubench import run_gateway_cpu
 

@@ -244,3 +244,23 @@ def add_rebalance_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--after-s", type=float, default=60.0)
     p.add_argument("--modes", default="auto,off", help="auto: with the rebalancer; off: without")
     p.add_argument("--json", default=None, help="write all figures here")
+
+
+def add_ops_bench_args(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Drain or move a replica of a live deployment under load (fixed backend, static policy) as an operator "
+        "would, with control/ops.py's Operator; report what every request got, p50/p99 before, during and after "
+        "the action, and how long until the replica was drained or serving the other model. Exit 0 when nothing "
+        "was lost or failed."
+    )
+    p.add_argument("--action", choices=["drain", "move", "both"], default="both", help="both: each on its own run")
+    p.add_argument("--replicas", type=int, default=4, help="kb-small replicas (a move adds one kb-large)")
+    p.add_argument("--load", type=float, default=0.7, help="kb-small's rate, as a share of its replicas' capacity")
+    p.add_argument(
+        "--other-load", type=float, default=0.1, help="move: kb-large's rate, as a share of one replica's capacity"
+    )
+    p.add_argument("--paid-share", type=float, default=0.3)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    p.add_argument("--action-at", type=float, default=10.0, help="seconds into the load")
+    p.add_argument("--seed", type=int, default=1, help="arrivals")
+    p.add_argument("--json", default=None, help="write the report here (one entry per action)")
