@@ -2,7 +2,7 @@
 
 Starts a private deployment (embedded Valkey, N fixed-latency replicas, the
 gateway), runs the serving scenarios one after another and prints what the
-issue asks to see, each next to its target.
+serving targets ask to see, each next to its target.
 """
 
 from __future__ import annotations
