@@ -151,6 +151,40 @@ def rate_profile(profile: str, rps: float, seconds: float) -> Any:
     raise ValueError(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
 
 
+@dataclass(frozen=True)
+class TypingSessions:
+    """Requests of typing sessions in order of sending; arrays indexed by request."""
+
+    t_ms: np.ndarray  # float64: when it is sent
+    session: np.ndarray  # int64: which session sends it
+    prev: np.ndarray  # int64: the request of the same session it supersedes, or -1
+    num_sessions: int
+
+
+def typing_sessions(
+    rng: np.random.Generator, rps: float, seconds: float, keystrokes: float = 6.0, pause_ms: float = 350.0
+) -> TypingSessions:
+    """Sessions start at random over the run, `rps * seconds / keystrokes` of them on
+    average; each sends `keystrokes` requests on average (geometric), one every typing pause
+    (100 ms + exponential `pause_ms`). Requests after `seconds` are not sent."""
+    num_sessions = rng.poisson(rps * seconds / keystrokes)
+    lengths = rng.geometric(1.0 / keystrokes, num_sessions)
+    owner = np.repeat(np.arange(num_sessions), lengths)
+    gaps = 100.0 + rng.exponential(pause_ms, len(owner))
+    first = np.r_[0, np.cumsum(lengths)[:-1]]
+    gaps[first] = 0.0
+    cum = np.cumsum(gaps)
+    t = np.repeat(rng.uniform(0.0, seconds * 1000.0, num_sessions), lengths) + cum - np.repeat(cum[first], lengths)
+    prev_raw = np.arange(len(owner)) - 1
+    prev_raw[first] = -1
+    order = np.argsort(t, kind="stable")
+    order = order[t[order] < seconds * 1000.0]
+    rank = np.full(len(t), -1, dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    prev = np.where(prev_raw[order] >= 0, rank[np.maximum(prev_raw[order], 0)], -1)
+    return TypingSessions(t[order].astype(np.float64), owner[order], prev.astype(np.int64), int(num_sessions))
+
+
 def make_workload(
     rps: float,
     seconds: float,
@@ -170,26 +204,12 @@ def make_workload(
     shares = np.asarray(model_shares or [1.0], dtype=float)
     shares = shares / shares.sum()
     if profile == "typing":
-        num_sessions = rng.poisson(rps * seconds / keystrokes)
-        lengths = rng.geometric(1.0 / keystrokes, num_sessions)
-        owner = np.repeat(np.arange(num_sessions), lengths)
-        gaps = 100.0 + rng.exponential(pause_ms, len(owner))
-        first = np.r_[0, np.cumsum(lengths)[:-1]]
-        gaps[first] = 0.0
-        cum = np.cumsum(gaps)
-        t = np.repeat(rng.uniform(0.0, seconds * 1000.0, num_sessions), lengths) + cum - np.repeat(cum[first], lengths)
-        prev_raw = np.arange(len(owner)) - 1
-        prev_raw[first] = -1
-        order = np.argsort(t, kind="stable")
-        keep = t[order] < seconds * 1000.0
-        order = order[keep]
-        rank = np.full(len(t), -1, dtype=np.int64)
-        rank[order] = np.arange(len(order))
-        prev = np.where(prev_raw[order] >= 0, rank[np.maximum(prev_raw[order], 0)], -1)
+        typing = typing_sessions(rng, rps, seconds, keystrokes, pause_ms)  # what `keybatch load` sends
+        num_sessions, prev = typing.num_sessions, typing.prev
         session_paid = rng.random(num_sessions) < paid_fraction
         session_model = rng.choice(len(shares), num_sessions, p=shares)
         session_region = rng.integers(0, regions, num_sessions)
-        t, sess = t[order], owner[order]
+        t, sess = typing.t_ms, typing.session
         paid, model, region = session_paid[sess], session_model[sess], session_region[sess]
     else:
         t = _times(rate_profile(profile, rps, seconds), seconds, rng)

@@ -10,18 +10,17 @@
 The files come from tasks/lm/corpus.py (no torch is imported).
 
 And when requests are sent, where that is more than a rate:
-- `typing_sessions`: users typing, one request per pause between keystrokes, each
-  superseding the one before it in its session (the simulator's `typing` profile draws
-  the same process, with the same draws in the same order).
+- `typing_sessions` (from `control/sim.py`, where the simulator draws it): users typing,
+  one request per pause between keystrokes, each superseding the one before it in its
+  session.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
-import numpy as np
+from control.sim import TypingSessions, typing_sessions
 
 MIN_TOKENS, MAX_TOKENS = 4, 128
 
@@ -63,35 +62,4 @@ def _at_line_end(text: str, cut: int) -> str:
     return text[: end + 1] if end > 0 else text[:cut]
 
 
-@dataclass(frozen=True)
-class TypingSessions:
-    """Requests of typing sessions in order of sending; arrays indexed by request."""
-
-    t_ms: np.ndarray  # float64: when it is sent
-    session: np.ndarray  # int64: which session sends it
-    prev: np.ndarray  # int64: the request of the same session it supersedes, or -1
-    num_sessions: int
-
-
-def typing_sessions(
-    rng: np.random.Generator, rps: float, seconds: float, keystrokes: float = 6.0, pause_ms: float = 350.0
-) -> TypingSessions:
-    """Sessions start at random over the run, `rps * seconds / keystrokes` of them on
-    average; each sends `keystrokes` requests on average (geometric), one every typing pause
-    (100 ms + exponential `pause_ms`). Requests after `seconds` are not sent."""
-    num_sessions = rng.poisson(rps * seconds / keystrokes)
-    lengths = rng.geometric(1.0 / keystrokes, num_sessions)
-    owner = np.repeat(np.arange(num_sessions), lengths)
-    gaps = 100.0 + rng.exponential(pause_ms, len(owner))
-    first = np.r_[0, np.cumsum(lengths)[:-1]]
-    gaps[first] = 0.0
-    cum = np.cumsum(gaps)
-    t = np.repeat(rng.uniform(0.0, seconds * 1000.0, num_sessions), lengths) + cum - np.repeat(cum[first], lengths)
-    prev_raw = np.arange(len(owner)) - 1
-    prev_raw[first] = -1
-    order = np.argsort(t, kind="stable")
-    order = order[t[order] < seconds * 1000.0]
-    rank = np.full(len(t), -1, dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    prev = np.where(prev_raw[order] >= 0, rank[np.maximum(prev_raw[order], 0)], -1)
-    return TypingSessions(t[order].astype(np.float64), owner[order], prev.astype(np.int64), int(num_sessions))
+__all__ = ["TypingSessions", "max_tokens", "mixed", "shared_prefix", "typing_sessions"]

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
+import redis
 import requests
 
+from control import protocol as p
 from control.settings import Settings
 from control.up import Plan, System
 
@@ -111,3 +113,18 @@ def deployment(
 def kb() -> Iterator[Deployment]:
     with deployment() as d:
         yield d
+
+
+def held_counts(kb: Deployment) -> dict[str, int]:
+    """Requests each replica holds now, by held-hash key."""
+    state = redis.Redis.from_url(kb.system.redis_url)
+    return {k.decode(): state.hlen(k) for k in state.keys(p.held_key("*"))}
+
+
+def replica_for(kb: Deployment, pid: int) -> str:
+    """The registered name of the replica process `pid`."""
+    state = redis.Redis.from_url(kb.system.redis_url)
+    for name in state.smembers(p.REPLICAS_KEY):
+        if state.hget(p.replica_key(name.decode()), "pid") == str(pid).encode():
+            return name.decode()
+    raise AssertionError(f"no replica with pid {pid}")

@@ -17,7 +17,7 @@ import redis
 import requests
 
 from control import protocol as p
-from tests.conftest import MODEL, Deployment, deployment, until
+from tests.conftest import MODEL, Deployment, deployment, held_counts, replica_for, until
 
 BUDGET = {"X-Deadline-Ms": "2000"}
 
@@ -33,39 +33,26 @@ def _burst(kb: Deployment, n: int, **headers: str) -> list:
     return [pool.submit(kb.post, {"model": MODEL, "prompt": f"def f{i}():\n"}, **headers) for i in range(n)]
 
 
-def _held(kb: Deployment) -> dict[str, int]:
-    state = redis.Redis.from_url(kb.system.redis_url)
-    return {k.decode(): state.hlen(k) for k in state.keys(p.held_key("*"))}
-
-
-def _replica_for(kb: Deployment, pid: int) -> str:
-    state = redis.Redis.from_url(kb.system.redis_url)
-    for name in state.smembers(p.REPLICAS_KEY):
-        if state.hget(p.replica_key(name.decode()), "pid") == str(pid).encode():
-            return name.decode()
-    raise AssertionError(f"no replica with pid {pid}")
-
-
 def test_a_replica_killed_mid_batch_loses_no_request() -> None:
     with deployment(workers=2) as kb:
         victim = kb.system.workers[0]
-        name = _replica_for(kb, victim.pid)
+        name = replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert until(lambda: _held(kb).get(p.held_key(name), 0) > 0, 5)  # it holds some of them
+        assert until(lambda: held_counts(kb).get(p.held_key(name), 0) > 0, 5)  # it holds some of them
         victim.send_signal(signal.SIGKILL)
         answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
         assert all(a.json()["keybatch"]["replica"] != name or a.elapsed.total_seconds() < 2 for a in answers)
         assert len({a.json()["id"] for a in answers}) == 60
-        assert p.held_key(name) not in _held(kb)  # swept
+        assert p.held_key(name) not in held_counts(kb)  # swept
 
 
 def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None:
     with deployment(workers=2) as kb:
         victim = kb.system.workers[0]
-        name = _replica_for(kb, victim.pid)
+        name = replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert until(lambda: _held(kb).get(p.held_key(name), 0) > 0, 5)
+        assert until(lambda: held_counts(kb).get(p.held_key(name), 0) > 0, 5)
         victim.send_signal(signal.SIGSTOP)
         try:
             answers = [f.result() for f in futures]

@@ -13,7 +13,7 @@ import redis
 
 from control import protocol as p
 from control.fleet import read_fleet
-from tests.conftest import MODEL, Deployment, deployment, until
+from tests.conftest import MODEL, Deployment, deployment, held_counts, replica_for, until
 from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -38,30 +38,17 @@ def _burst(kb: Deployment) -> list:
     return [pool.submit(kb.post, {**body, "prompt": f"def f{i}(x):\n    "}, **BUDGET) for i in range(N)]
 
 
-def _held(kb: Deployment) -> dict[str, int]:
-    state = redis.Redis.from_url(kb.system.redis_url)
-    return {k.decode(): state.hlen(k) for k in state.keys(p.held_key("*"))}
-
-
 def _fleet(kb: Deployment) -> list[dict]:
     state = redis.Redis.from_url(kb.system.redis_url)
     return [state.hgetall(p.replica_key(n.decode())) for n in state.smembers(p.REPLICAS_KEY)]
 
 
-def _replica_for(kb: Deployment, pid: int) -> str:
-    state = redis.Redis.from_url(kb.system.redis_url)
-    for name in state.smembers(p.REPLICAS_KEY):
-        if state.hget(p.replica_key(name.decode()), "pid") == str(pid).encode():
-            return name.decode()
-    raise AssertionError(f"no replica with pid {pid}")
-
-
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_replica_killed_or_hung_mid_generation_loses_no_request(hf2: Deployment, how: str) -> None:
     victim = hf2.system.workers[0]
-    name = _replica_for(hf2, victim.pid)
+    name = replica_for(hf2, victim.pid)
     futures = _burst(hf2)
-    assert until(lambda: _held(hf2).get(p.held_key(name), 0) > 0, 20)  # it holds some of them
+    assert until(lambda: held_counts(hf2).get(p.held_key(name), 0) > 0, 20)  # it holds some of them
     victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     try:
         answers = [f.result(60) for f in futures]
@@ -81,4 +68,4 @@ def test_a_replica_killed_or_hung_mid_generation_loses_no_request(hf2: Deploymen
     assert len({a.json()["id"] for a in ok}) == len(ok)
     assert {a.json()["keybatch"]["replica"] for a in ok} != {name}
     if how == "killed":
-        assert until(lambda: p.held_key(name) not in _held(hf2), 10)  # swept
+        assert until(lambda: p.held_key(name) not in held_counts(hf2), 10)  # swept
