@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import redis
 from celery import Celery
+from redis.typing import EncodableT
 
 from api.errors import ApiError
 from api.metrics import Metrics
@@ -155,6 +156,7 @@ class Waiter:
     item: Item | None = None
     news: threading.Event = field(default_factory=threading.Event)  # a chunk or the answer came
     chunks: list[p.Chunk] = field(default_factory=list)  # streamed text not yet sent on
+    message: str = ""  # the queue message this process pushed for it (RESCUE pushes it again)
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -212,6 +214,8 @@ class BrokerHealth:
         return self.silent_s >= self.down_after_s
 
 
+RESCUE_AFTER_S = 0.1  # after a death, so a live replica's pops of the moment are recorded
+RESCUE_CHUNK = 1000  # requests per RESCUE call (each call may read the queue once)
 NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
 
 
@@ -246,6 +250,9 @@ class Gateway:
         self._listener = client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)
         self._prober = client_like(client, socket_timeout=bound_s, socket_connect_timeout=bound_s)
         self._sweep = self._prober.register_script(failover.SWEEP_DEAD_LUA)
+        self._rescuer = client_like(client, socket_timeout=2.0, socket_connect_timeout=0.5)
+        self._rescue = self._rescuer.register_script(failover.RESCUE_LUA)
+        self._deaths: int | None = None  # replicas swept so far, deployment-wide
 
     def start(self) -> None:
         """Start the listener, the health loop and the fleet view (once, in the serving process)."""
@@ -367,11 +374,14 @@ class Gateway:
             return Verdict.ADMIT, 0
         if status == 3:  # joined the attempt in flight
             self._forget(waiter)
+            waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
             waiter.attempt = extra.decode()
             self._register(waiter)
             return Verdict.ADMIT, 0
         self._depth[job.model] = (paid, free, now)
         verdict = Verdict.OVERLOADED if status == -1 else Verdict.ADMIT
+        if verdict == Verdict.ADMIT:
+            waiter.message = message
         return verdict, admission.position(job.tier, paid, free)
 
     # -- waiting, cancel, give up ----------------------------------------------------
@@ -474,9 +484,14 @@ class Gateway:
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired = self._sweep(keys=[p.HOLDERS_KEY], args=[min_ms])
+                swept, requeued, expired, deaths = self._sweep(keys=[p.HOLDERS_KEY], args=[min_ms])
                 if swept:
                     log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
+                if self._deaths is not None and deaths != self._deaths:
+                    # A replica died (this process swept it, another did, or a supervisor
+                    # released it): what it had popped and not yet recorded is nowhere.
+                    threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(min_ms,)).start()
+                self._deaths = deaths
                 self._release_orphans()
                 if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
                     self.clock.sync()
@@ -491,6 +506,26 @@ class Gateway:
             except Exception:
                 log.exception("broker health loop")
             threading.Event().wait(0.05 if self.health.is_down else 0.1)
+
+    def _rescue_waiting(self, min_ms: float) -> None:
+        """Offer this process's waiting requests to RESCUE (control/failover.py): those a
+        dead replica had taken from the queue and not yet recorded go back to the queue."""
+        with self._lock:
+            group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.message}
+        rescued = 0
+        waiting = list(group.values())
+        try:
+            for start in range(0, len(waiting), RESCUE_CHUNK):
+                args: list[EncodableT] = [min_ms]
+                for w in waiting[start : start + RESCUE_CHUNK]:
+                    job = w.job
+                    args += [w.attempt, job.key, p.queue_key(job.model, job.tier), p.waiting_key(job.model, job.tier)]
+                    args += [job.deadline_ms, job.received_ms, w.message]
+                rescued += int(self._rescue(keys=[p.HOLDERS_KEY], args=args))
+        except redis.RedisError as exc:
+            log.warning("could not offer waiting requests for rescue: %s", exc)
+        if rescued:
+            log.warning("re-queued %d requests a dead replica had taken and not recorded", rescued)
 
     def _release_orphans(self) -> None:
         """Requests of a model that has no live replica left end now with 503 (which a

@@ -132,6 +132,7 @@ local function sweep(holder, min_ms)
   end
   redis.call('DEL', P .. 'held:' .. holder)
   redis.call('SREM', P .. 'holders', holder)
+  redis.call('INCR', P .. 'deaths')  -- gateways look for what it had taken and not yet recorded
   local model = redis.call('HGET', P .. 'replica:' .. holder, 'model')
   if model then  -- peers must not count it as idle or running any more
     redis.call('ZREM', P .. 'idle:' .. model, holder)
@@ -146,7 +147,8 @@ _SWEEP_FN = _SWEEP_FN.replace("MAX_REQUEUES", str(MAX_REQUEUES))
 # ARGV: replica, min ms a request needs to still finish.
 SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
 
-# ARGV: min ms. Sweeps every holder whose lease lapsed; returns {holders, requeued, expired}.
+# ARGV: min ms. Sweeps every holder whose lease lapsed; returns {holders, requeued, expired,
+# deaths}: the last, how many replicas were ever swept, tells a gateway to run RESCUE.
 SWEEP_DEAD_LUA = (
     LUA_LIB
     + _SWEEP_FN
@@ -158,8 +160,86 @@ for _, holder in ipairs(redis.call('SMEMBERS', P .. 'holders')) do
     swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
   end
 end
-return {swept, requeued, expired}
+return {swept, requeued, expired, tonumber(redis.call('GET', P .. 'deaths') or '0')}
 """
+)
+
+# A replica's consumer pops a message, then records it as held: killed in between, the
+# request is in no queue and no held hash, and no sweep can find it. After a death each
+# gateway offers its own waiting requests; one that has an owner under this attempt, no
+# claim, no held record, and is not in its queue is pushed back to the front of it.
+# "Not in its queue": the lists are first in, first out (LPUSH at admission, the
+# consumer pops from the right; a re-queue goes to the right, older still), so a
+# request received before the oldest message left in its list was popped already;
+# for the others the list is read once per call (its messages' ids), which costs a
+# scan of the queue, after a death only.
+# ARGV: min ms, then per request: attempt, request key, queue, waiting set, deadline ms,
+# received ms, message. Returns how many were pushed back.
+RESCUE_LUA = (
+    LUA_LIB
+    + """
+local now, min_ms = now_ms(), tonumber(ARGV[1])
+local holders = redis.call('SMEMBERS', P .. 'holders')
+local oldest = {}
+local function oldest_received(queue)  -- false: the list is empty; -1: unknown (keep all)
+  if oldest[queue] == nil then
+    local raw = redis.call('LINDEX', queue, -1)
+    if not raw then
+      oldest[queue] = false
+    else
+      local ok, env = pcall(cjson.decode, raw)
+      local received = -1
+      if ok and type(env) == 'table' and type(env.body) == 'string' then
+        local ok2, body = pcall(cjson.decode, env.body)
+        if ok2 and type(body) == 'table' and type(body[1]) == 'table' and type(body[1][1]) == 'table' then
+          received = tonumber(body[1][1].received_ms) or -1
+        end
+      end
+      oldest[queue] = received
+    end
+  end
+  return oldest[queue]
+end
+local ids = {}
+local function in_queue(queue)  -- the attempts whose messages are in the list, read once
+  if ids[queue] == nil then
+    local found = {}
+    for _, raw in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+      local id = string.match(raw, '"correlation_id":"([^"]+)"')
+      if id then found[id] = true end
+    end
+    ids[queue] = found
+  end
+  return ids[queue]
+end
+local rescued = 0
+for i = 2, #ARGV, 7 do
+  local att, key, queue, waiting = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local deadline, received, message = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5]), ARGV[i + 6]
+  local owner = redis.call('GET', P .. 'req:' .. key)
+  local live = false
+  if owner then
+    local _, _, _, owner_att = owner_parts(owner)
+    live = owner_att == att and redis.call('EXISTS', P .. 'claim:' .. att) == 0
+  end
+  if live then
+    for _, holder in ipairs(holders) do
+      if redis.call('HEXISTS', P .. 'held:' .. holder, att) == 1 then live = false break end
+    end
+  end
+  if live then
+    local o = oldest_received(queue)
+    local queued = o ~= false and (o == -1 or received >= o) and in_queue(queue)[att] ~= nil
+    if not queued and deadline - now >= min_ms and redis.call('INCR', P .. 'requeued:' .. att) <= MAX_REQUEUES then
+      redis.call('PEXPIRE', P .. 'requeued:' .. att, deadline - now + 1000)
+      redis.call('RPUSH', queue, message)
+      redis.call('ZADD', waiting, deadline, att)
+      rescued = rescued + 1
+    end
+  end
+end
+return rescued
+""".replace("MAX_REQUEUES", str(MAX_REQUEUES))
 )
 
 # ARGV: replica, then per request: attempt, request key, held record. Records only the

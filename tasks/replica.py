@@ -266,6 +266,11 @@ class Replica:
             # the engine's step holds the interpreter, a window a kill falls into.
             self._write_held([job])
         with self._cond:
+            if job.id in self._joined or job.id in self.collector.ids():
+                # A second copy of a request this replica already has (a rescue raced its
+                # record): one run answers both.
+                log.info("a second copy of %s arrived; it runs once", job.id)
+                return
             if self.state == ReplicaState.DRAINED:  # a pull sent just before the drain: run it
                 self.state = transition(self.state, ReplicaState.DRAINING)
             self.collector.add(pending)

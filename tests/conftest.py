@@ -92,7 +92,14 @@ def deployment(
         os.environ[f"KEYBATCH_{key.upper()}"] = value
     try:
         served = list(models or (model,))
-        plan = Plan(workers=workers, backend=backend, policy=policy, models=served, port=free_port(), quiet=True)
+        plan = Plan(
+            workers=workers,
+            backend=backend,
+            policy=policy,
+            models=served,
+            port=free_port(),
+            quiet=not os.environ.get("KEYBATCH_TEST_VERBOSE"),
+        )
         system = System(Settings(), plan)
         system.start()
         try:

@@ -116,6 +116,7 @@ class Scripts:
         self.stream = strict(failover.STREAM_LUA)
         self.sweep_one = strict(failover.SWEEP_ONE_LUA)
         self.sweep_dead = strict(failover.SWEEP_DEAD_LUA)
+        self.rescue = strict(failover.RESCUE_LUA)
 
 
 def _admit(s: Scripts, key: str, attempt: str, gateway: str, session: str | None = None, keep_ms: int = 0) -> list:
@@ -160,7 +161,7 @@ def test_the_scripts_here_are_all_the_projects_scripts() -> None:
     named = {name for module in (gateway, failover) for name in vars(module) if name.endswith("_LUA")}
     assert named == {
         "ADMIT_LUA", "CANCEL_LUA", "RECORD_LUA", "CLAIM_LUA", "DELIVER_LUA", "STREAM_LUA", "SWEEP_ONE_LUA",
-        "SWEEP_DEAD_LUA",
+        "SWEEP_DEAD_LUA", "RESCUE_LUA",
     }  # fmt: skip  # a new script joins Scripts and the test below
 
 
@@ -215,11 +216,17 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     late = ["r3", "att-d", "t:d", _held_record("att-d", "t:d", now + 60_000)]
     assert s.record(keys=[p.held_key("r3")], args=[*late, "att-e", "t:e", _held_record("att-e", "t:e", now)]) == 2
     cluster.sadd(p.HOLDERS_KEY, "r3")
-    assert s.sweep_dead(keys=[p.HOLDERS_KEY], args=[265]) == [1, 1, 1]  # r3 swept: d re-queued, e expired
+    assert s.sweep_dead(keys=[p.HOLDERS_KEY], args=[265]) == [1, 1, 1, 1]  # r3 swept: d re-queued, e expired
     assert cluster.zscore(p.waiting_key(MODEL, "paid"), "att-d") is not None
     assert cluster.get(p.cancel_key("att-e")) == b"expired"
     cluster.delete(p.lease_key("r1"))
     assert s.sweep_one(keys=[p.held_key("r1")], args=["r1", 265]) == [0, 0]  # delivered all it held
+    # A request a dead replica popped and never recorded: its gateway offers it for rescue.
+    assert _admit(s, "t:f", "att-f", "gw-1")[0] == 1
+    cluster.delete(p.queue_key(MODEL, "paid"))  # popped, with everything before it
+    offer = ["att-f", "t:f", p.queue_key(MODEL, "paid"), p.waiting_key(MODEL, "paid"), now + 60_000, now, "MSG-att-f"]
+    assert s.rescue(keys=[p.HOLDERS_KEY], args=[265, *offer]) == 1
+    assert cluster.lrange(p.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-att-f"]
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

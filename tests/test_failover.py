@@ -139,3 +139,22 @@ def test_a_stored_answer_is_kept_for_the_idempotency_window_only(fleet: Deployme
     later = fleet.post(**{"X-Request-Id": "kept-1"})
     assert later.status_code == 200
     assert later.json()["keybatch"]["batch_ms"] != first.json()["keybatch"]["batch_ms"]  # it ran again
+
+
+def test_a_request_a_replica_took_and_died_with_before_recording_it_is_queued_again() -> None:
+    """A stopped replica's outstanding pull still takes a message off the queue: the
+    request is then in no queue and no held hash. Once the replica is found dead, the
+    gateway that owns the request pushes it back, and the replica left answers it."""
+    with deployment(workers=2) as kb:
+        victim = kb.system.workers[0]
+        victim.send_signal(signal.SIGSTOP)  # idle: its pull (BRPOP) is outstanding
+        try:
+            futures = _burst(kb, 8, **{"X-Deadline-Ms": "10000"})
+            answers = [f.result(20) for f in futures]
+        finally:
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(5)
+        assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
+        # None waited for its deadline: the one the stopped replica took came back within
+        # its lease (300 ms), the sweep (100 ms) and the rescue's delay (100 ms).
+        assert max(a.elapsed.total_seconds() for a in answers) < 4.0
