@@ -660,6 +660,8 @@ class Replica:
         now = self.clock.now_ms()
         for pending in batch:
             job = held(pending).job
+            if job.id in self._joined:  # a second copy of a running request (a rescue raced it)
+                continue
             try:
                 self.engine.add_request(job)
             except RequestError as err:

@@ -13,9 +13,9 @@ from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
 BUDGET = {"X-Deadline-Ms": "5000"}
 
 
-def _sum(d: Deployment, name: str) -> float:
-    """The sum of every series of `name` (whatever their labels)."""
-    text = requests.get(f"{d.url}/metrics", timeout=5).text
+def _sum(d: Deployment, name: str, text: str | None = None) -> float:
+    """The sum of every series of `name` (whatever their labels), in one scrape."""
+    text = text if text is not None else requests.get(f"{d.url}/metrics", timeout=5).text
     return sum(
         float(line.rpartition(" ")[2])
         for line in text.splitlines()
@@ -61,6 +61,13 @@ def test_metrics_count_requests_times_and_the_work_spent_for_clients_that_went()
         cancel = requests.delete(f"{d.url}/v1/completions/gone-1", headers={"Authorization": f"Bearer {FREE_KEY}"})
         assert cancel.status_code in (200, 202, 204), cancel.text
         assert running.result(10).status_code == 409
-        assert until(lambda: _sum(d, "keybatch_wasted_slots_total") == 1, 5)
-        spent = _sum(d, "keybatch_wasted_model_seconds_total")
+        # Both read off one scrape: each gateway process has its own copy of the registry.
+        scrapes: list[str] = []
+
+        def counted() -> bool:
+            scrapes.append(requests.get(f"{d.url}/metrics", timeout=5).text)
+            return _sum(d, "keybatch_wasted_slots_total", scrapes[-1]) == 1
+
+        assert until(counted, 5)
+        spent = _sum(d, "keybatch_wasted_model_seconds_total", scrapes[-1])
         assert 0.2 < spent < 0.9, spent
