@@ -134,6 +134,15 @@ class Collector:
         boost = self.config.paid_boost_ms
         size = self.config.max_batch if limit is None else min(limit, self.config.max_batch)
         self.waiting.sort(key=lambda p: p.rank(boost))
-        batch = self.waiting[:size]
-        self.waiting = self.waiting[size:]
+        batch: list[Pending] = []
+        seen: set[str] = set()
+        taken = 0
+        for pending in self.waiting:
+            if len(batch) == size:
+                break
+            taken += 1
+            if pending.id not in seen:  # a second copy (re-queued while this one waited) runs once
+                seen.add(pending.id)
+                batch.append(pending)
+        self.waiting = self.waiting[taken:]
         return batch

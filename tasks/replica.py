@@ -266,11 +266,6 @@ class Replica:
             # the engine's step holds the interpreter, a window a kill falls into.
             self._write_held([job])
         with self._cond:
-            if job.id in self._joined or job.id in self.collector.ids():
-                # A second copy of a request this replica already has (a rescue raced its
-                # record): one run answers both.
-                log.info("a second copy of %s arrived; it runs once", job.id)
-                return
             if self.state == ReplicaState.DRAINED:  # a pull sent just before the drain: run it
                 self.state = transition(self.state, ReplicaState.DRAINING)
             self.collector.add(pending)
@@ -660,8 +655,8 @@ class Replica:
         now = self.clock.now_ms()
         for pending in batch:
             job = held(pending).job
-            if job.id in self._joined:  # a second copy of a running request (a rescue raced it)
-                continue
+            if job.id in self._joined:  # a second copy of a running request (a rescue raced
+                continue  # its record): it runs once; copies in one batch: `Collector.pop_batch`
             try:
                 self.engine.add_request(job)
             except RequestError as err:

@@ -95,3 +95,11 @@ def test_the_phase_yields_to_the_deadline_and_to_light_load() -> None:
     assert c.wait_ms(402.0) == 0.0
     c.stagger_from([0.0], last_batch=4, now_ms=900.0)  # a peer silent for two batch times is ignored
     assert c.not_before_ms == 0.0
+
+
+def test_a_second_copy_of_a_request_in_the_buffer_runs_once() -> None:
+    c = Collector(CollectorConfig(max_batch=3))
+    for i, rid in enumerate(["a", "b", "a", "c", "d"]):
+        c.add(Pending(rid, "free", received_ms=float(i), deadline_ms=10_000.0))
+    assert [p.id for p in c.pop_batch()] == ["a", "b", "c"]  # the copy of a is dropped
+    assert [p.id for p in c.waiting] == ["d"]
