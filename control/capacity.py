@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from control.sim import (
     make_workload,
     simulate,
 )
+from control.simsplit import simulate_split
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Inputs:
     policy: str = "static"
     scope: str = "region"  # the final run: one surviving region, or the whole fleet losing a region
     cell: int = 128  # a queue with more replicas is simulated as this many at their per-replica rate
+    processes: int = 0  # the final run's groups run in this many processes (0: one per core)
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
@@ -76,6 +80,8 @@ class Inputs:
             raise ValueError("the continuous policy needs --cost-model (an engine curve)")
         if self.cell < 1 or self.sim_seconds <= 0 or self.search_seconds <= 0:
             raise ValueError("cell, sim-seconds and search-seconds must be positive")
+        if self.processes < 0:
+            raise ValueError("processes must be 0 (one per core) or more")
 
     @property
     def shares(self) -> dict[str, float]:
@@ -222,6 +228,12 @@ def search(inputs: Inputs, model: str, rps: float, start: int, limit: int = 64) 
     return None, tried
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its ended children (the simulation's pool)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def plan(inputs: Inputs) -> dict[str, Any]:
     """Arithmetic, the search per model, and a final run of one surviving region at the
     recommended counts for `sim_seconds`."""
@@ -259,7 +271,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         out["replicas_per_region"] = sum(counts)
         out["replicas"] = sum(counts) * inputs.regions
     # The final run: one surviving region carrying its share of the whole peak.
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started = time.perf_counter(), _cpu_s()
     region_rps = inputs.rps / inputs.surviving
     by_region: dict[str, Any] | None = None
     if inputs.scope == "fleet":  # every region at its third of the peak, the first lost a third of the way in
@@ -275,7 +287,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         )
         config = sim_config(inputs, counts, models, regions=inputs.regions)
         config.region_loss_at_s = loss_at
-        result = simulate(config, workload)
+        result = simulate_split(config, workload, inputs.processes or None)
         summary = result.summary(inputs.network_ms)
         num_requests, mean_batch = len(workload), result.mean_batch()
         per_tier = result.by_tier(inputs.network_ms)
@@ -297,7 +309,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             model_shares=[shares[n] for n in models],
             seed=inputs.seed,
         )
-        result = simulate(sim_config(inputs, counts, models), workload)
+        result = simulate_split(sim_config(inputs, counts, models), workload, inputs.processes or None)
         summary = result.summary(inputs.network_ms)
         num_requests, mean_batch = len(workload), result.mean_batch()
         per_tier = result.by_tier(inputs.network_ms)
@@ -317,7 +329,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
             f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
         )
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
     out["replicas_min"] = out["arithmetic"]["replicas_min"]
     out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
     out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]
@@ -332,6 +344,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         "requests": num_requests,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),  # the wall time on a core of its own
+        "processes": inputs.processes or os.cpu_count(),
         "requests_per_wall_s": round(num_requests / wall),
         "mean_batch": round(mean_batch, 2),
         **summary,
@@ -393,6 +406,9 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
         help="final run: one surviving region (default), or every region with one lost a third of the way in",
     )
     parser.add_argument("--cell", type=int, default=128, help="simulate a bigger queue as this many replicas, scaled")
+    parser.add_argument(
+        "--processes", type=int, default=0, help="run the final simulation's model queues in parallel (0: one per core)"
+    )
     parser.add_argument("--profile", choices=PROFILES, default="poisson", help="arrivals")
     parser.add_argument("--sim-seconds", type=float, default=60.0, help="simulated time of the final run")
     parser.add_argument("--search-seconds", type=float, default=20.0, help="simulated time of each search run")
@@ -426,6 +442,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             policy=args.policy,
             scope=args.scope,
             cell=args.cell,
+            processes=args.processes,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)

@@ -26,7 +26,7 @@ from typing import Any
 from control.tiers import Tier
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """One request in a replica's buffer."""
 

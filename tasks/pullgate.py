@@ -60,7 +60,7 @@ class PullGate:
             return buffered < 2 * self.max_batch
         if buffered >= self.max_batch:
             return False
-        if now_ms >= self.pull_at_ms:
+        if now_ms >= self.ends_at_ms - self.lead_ms:  # `pull_at_ms`, asked before every pull
             return True
         return not self.peer_idle and not self.peers_free_first(now_ms, batch_ms)
 

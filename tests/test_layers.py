@@ -75,6 +75,7 @@ POLICY = [
     "control.lifecycle",
     "control.sim",
     "control.capacity",
+    "control.simsplit",
 ]
 NOT_IN_POLICY = ["redis", "celery", "kombu", "flask", "gevent", "torch", "transformers"]
 

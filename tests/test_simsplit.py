@@ -1,0 +1,41 @@
+"""The fleet simulation split over processes: the same answer for any number of them, and
+the answer one process gives, through a region's loss."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from control.sim import NEW, OK, RUNNING, WAITING, SimConfig, Workload, make_workload, simulate
+from control.simsplit import simulate_split
+
+
+def fleet(seconds: float = 12.0) -> tuple[SimConfig, Workload]:
+    config = SimConfig(replicas=[6, 2], models=["kb-small", "kb-large"], regions=3, region_loss_at_s=seconds / 3)
+    workload = make_workload(4000, seconds, paid_fraction=0.2, model_shares=[0.75, 0.25], regions=3, seed=3)
+    return config, workload
+
+
+def test_any_number_of_processes_gives_the_same_run() -> None:
+    config, workload = fleet()
+    one = simulate_split(config, workload, processes=1)
+    two = simulate_split(config, workload, processes=2)
+    assert np.array_equal(one.state, two.state)
+    assert np.array_equal(one.end_ms, two.end_ms)
+    assert np.array_equal(one.group, two.group)
+    assert one.stats == two.stats
+
+
+def test_split_agrees_with_one_process_through_a_region_loss() -> None:
+    config, workload = fleet()
+    whole = simulate(config, workload)
+    split = simulate_split(config, workload, processes=2)
+    assert split.stats["resent"] == whole.stats["resent"] > 0  # the same requests were held at the loss
+    assert not np.isin(split.state, [NEW, WAITING, RUNNING]).any()  # every request has its outcome
+    a, b = whole.summary(), split.summary()
+    assert abs(a["answered_200_share"] - b["answered_200_share"]) < 0.005
+    assert abs(a["p50_ms"] - b["p50_ms"]) / a["p50_ms"] < 0.03
+    assert abs(a["p99_ms"] - b["p99_ms"]) / a["p99_ms"] < 0.03
+    region = split.group // 2
+    after = workload.t_ms > 4_100.0
+    assert not np.any(after & (region == 0) & (split.state == OK))  # the lost region answered nothing more
+    assert np.all(split.group[workload.model == 1] % 2 == 1)  # a model's requests stay with its replicas
