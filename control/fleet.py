@@ -61,6 +61,8 @@ class ReplicaInfo:
     moving_to: str = ""
     wasted_slots: int = 0  # slots run for requests whose client had gone
     wasted_ms: float = 0.0  # their share of the model's time
+    taken_shut: int = 0  # requests taken by a pull sent before its gate shut
+    handed_back: int = 0  # of those, put back at the front of the queue
 
     @property
     def is_ready(self) -> bool:
@@ -91,6 +93,8 @@ class ReplicaInfo:
             moving_to=f.get("moving_to", ""),
             wasted_slots=int(_number(f.get("wasted_slots", "0"))),
             wasted_ms=_number(f.get("wasted_ms", "0")),
+            taken_shut=int(_number(f.get("taken_shut", "0"))),
+            handed_back=int(_number(f.get("handed_back", "0"))),
             backend=f.get("backend", "?"),
             max_batch=int(f.get("max_batch", 0)),
             batch_ms=float(f.get("batch_ms", 0.0)),

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     )
     pull_lead_ms: float = Field(40.0, ge=0, description="a busy replica pulls its next batch this long before it frees")
     deadline_margin_ms: float = Field(15.0, ge=0, description="slack kept for the trip back to the client")
+    hand_back_pulls: bool = Field(
+        True, description="a request a pull sent before the gate shut brings goes back to the front of its queue"
+    )
 
     # Deadlines and admission.
     deadline_ms: float = Field(600.0, gt=0, description="default budget when X-Deadline-Ms is absent")

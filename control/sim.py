@@ -47,6 +47,7 @@ PROFILES = ("poisson", "bursts", "diurnal", "typing")
 
 _TIERS: tuple[Tier, Tier] = ("free", "paid")
 
+BRPOP_TIMEOUT_MS = 1000.0  # kombu's Redis transport: a BRPOP returns empty after this long
 _ADMIT = Verdict.ADMIT  # looked up once: an enum member's lookup is on the hot path
 
 # Event kinds.
@@ -278,6 +279,11 @@ class SimConfig:
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
     region_loss_at_s: float | None = None  # region 0 is lost then
     resend_ms: float = 100.0  # a client's retry of a lost region's request reaches another region
+    # A BRPOP sent before the gate shut takes one more message (kombu lets it finish); the
+    # replica then "hand_back"s it to the front of the queue (the live default), or "keep"s
+    # it for its next batch (KEYBATCH_HAND_BACK_PULLS=0); "none": a gate that also stops a
+    # BRPOP already sent (no such consumer exists; what the simulator did before).
+    pull_in_flight: str = "hand_back"
 
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:
@@ -286,6 +292,8 @@ class SimConfig:
             raise ValueError(f"policy must be static or continuous, not {self.policy!r}")
         if self.policy == "continuous" and set(self.models) - set(self.costs):
             raise ValueError("the continuous policy needs a cost model (an engine curve) for every model")
+        if self.pull_in_flight not in ("hand_back", "keep", "none"):
+            raise ValueError(f"pull_in_flight must be hand_back, keep or none, not {self.pull_in_flight!r}")
         if self.regions < 1 or (self.region_loss_at_s is not None and self.regions < 2):
             raise ValueError("region loss needs at least two regions")
 
@@ -378,6 +386,7 @@ class SimReplica:
         "ends_at",
         "engine",
         "gate_at",
+        "asked_at",
     )
 
     def __init__(self, index: int, group: Group, config: CollectorConfig, gate: PullGate) -> None:
@@ -393,6 +402,7 @@ class SimReplica:
         self.ends_at = 0.0
         self.engine: SimEngine | None = None  # continuous policy only
         self.gate_at = -1.0  # the reopening time a timer was last set for
+        self.asked_at = 0.0  # when its consumer's BRPOP was sent
 
     def held(self) -> list[Pending]:
         """What a sweep finds in its held hash: the batch or the engine's requests, and the buffer."""
@@ -509,7 +519,7 @@ class Simulation:
         self.resent: list[tuple[float, int]] = sorted(resend or [])  # heap: (time, request) sent again
         self.resent_ids.update(j for _, j in self.resent)
         self.handed_off: list[tuple[float, int]] = []
-        self.stats = {"batches": 0, "batch_rows": 0, "wasted": 0, "requeued": 0, "resent": 0, "events": 0}
+        self.stats = dict.fromkeys(("batches", "batch_rows", "wasted", "requeued", "resent", "events", "taken_shut"), 0)
         self.batch_sizes: list[int] = []
         rng = np.random.default_rng(12345)
         self._alt = rng.random(4096).tolist()
@@ -646,20 +656,37 @@ class Simulation:
         state[i] = WAITING
         waiting[paid] += 1
         # LPUSH: a consumer blocked in BRPOP takes it at once (the one that asked first), if
-        # its gate still lets it; it asks again at the back of the line.
+        # its gate still lets it or its BRPOP was sent before the gate shut; it asks again at
+        # the back of the line if its gate lets it then. A replica whose gate had shut hands
+        # the message back to the front of the queue (`Replica._hands_back`).
         blocked = group.blocked
+        handed_back = False
         while blocked:
             replica = blocked[0]
-            if replica.alive and (
+            if not replica.alive or not (
                 self._wants(replica)
                 if group.continuous
                 else replica.gate.wants(now, len(replica.collector.waiting), group.batch_ms)
             ):
-                blocked.rotate(-1)
-                self._take(replica, i)
-                return
-            self._shut(replica)
-        (group.paid_queue if paid else group.free_queue).append(i)
+                if not self._in_flight(replica):
+                    self._shut(replica)
+                    continue
+                self.stats["taken_shut"] += 1
+                if self.config.pull_in_flight == "hand_back":
+                    self._shut(replica)
+                    handed_back = True
+                    continue
+            blocked.rotate(-1)
+            replica.asked_at = now
+            self._take(replica, i)
+            if not self._wants(replica):
+                self._shut(replica)
+            return
+        queue = group.paid_queue if paid else group.free_queue
+        if handed_back:  # RPUSH: the next pull takes it
+            queue.appendleft(i)
+        else:
+            queue.append(i)
 
     def _admit_resent(self, group: Group, i: int) -> tuple[Verdict, int]:
         """A request sent again after a region loss: admitted on what is left of its budget."""
@@ -699,10 +726,25 @@ class Simulation:
             return replica.gate.wants_continuous(len(replica.collector.waiting), replica.engine.free_slots())
         return replica.gate.wants(self.now, len(replica.collector.waiting), replica.group.batch_ms)
 
-    def _shut(self, replica: SimReplica) -> None:
-        """The gate said no: the consumer stops asking, with a timer if it reopens by itself."""
+    def _in_flight(self, replica: SimReplica) -> bool:
+        """Has the consumer a BRPOP out that its gate did not stop? kombu lets a BRPOP sent
+        before the gate shut take one more message (`tasks.kombu_internals.gate_pulls`),
+        unless the BRPOP's own timeout came first."""
+        return (
+            self.config.pull_in_flight != "none"
+            and replica.alive
+            and self.now - replica.asked_at < BRPOP_TIMEOUT_MS
+            and replica in replica.group.blocked
+        )
+
+    def _shut(self, replica: SimReplica, in_flight: bool = False) -> None:
+        """The gate said no: the consumer stops asking, with a timer if it reopens by itself.
+        `in_flight`: the gate shut on the replica's side (a batch started) while its BRPOP
+        was out: that BRPOP still takes one message."""
         blocked = replica.group.blocked
-        if blocked and blocked[0] is replica:
+        if in_flight and self._in_flight(replica):
+            pass
+        elif blocked and blocked[0] is replica:
             blocked.popleft()
         elif replica in blocked:
             blocked.remove(replica)
@@ -741,8 +783,9 @@ class Simulation:
             else:
                 if replica not in group.blocked:
                     group.blocked.append(replica)
+                    replica.asked_at = self.now
                 return
-        self._shut(replica)
+        self._shut(replica, in_flight=True)
 
     def _try_launch(self, replica: SimReplica) -> None:
         """`Replica._take`: drop what was cancelled or expired, let paid requests still in the
@@ -925,6 +968,7 @@ class Simulation:
             replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms)
             replica.last_launch = -1e18
             group.blocked.append(replica)
+            replica.asked_at = self.now
         group.num_ready += len(dead)
         for replica in dead:
             self._pull(replica)

@@ -71,6 +71,8 @@ class Stats:
     dropped: Counter[str] = field(default_factory=Counter)
     wasted_slots: int = 0  # slots run for requests whose client had gone
     wasted_ms: float = 0.0  # their share of the model's time
+    num_taken_shut: int = 0  # brought by a pull sent before the gate shut
+    num_handed_back: int = 0  # of those, put back at the front of the queue
 
     def waste(self, slots: int, share_ms: float) -> None:
         self.wasted_slots += slots
@@ -83,6 +85,8 @@ class Stats:
             "last_batch_size": self.last_batch_size,
             "wasted_slots": self.wasted_slots,
             "wasted_ms": round(self.wasted_ms, 1),
+            "taken_shut": self.num_taken_shut,
+            "handed_back": self.num_handed_back,
         }
         for reason in ("cancelled", "superseded", "expired", "gone"):
             fields[f"dropped_{reason}"] = self.dropped[reason]
@@ -125,6 +129,7 @@ class Replica:
         lease_ms: float = 300.0,
         stall_ms: float = 2000.0,
         max_clock_error_ms: float = 25.0,
+        hand_back: bool = True,
     ) -> None:
         self.name = name
         self.model = model
@@ -135,6 +140,7 @@ class Replica:
         self.events = events or NoEvents()
         self.wake = wake or (lambda: None)
         self.gate = PullGate(config.max_batch, pull_lead_ms)
+        self.hand_back = hand_back  # what a pull sent before the gate shut brings goes back to the queue
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self.stats = Stats()
@@ -258,6 +264,8 @@ class Replica:
         """Buffer one request (called from the consumer's thread, right after it took the
         message from the queue); the recorder thread writes it into the held hash within
         `RECORD_MS`, so that a sweep can re-queue it if this replica dies."""
+        if self._hands_back(job):
+            return
         pending = self._pending(job)
         if self.engine.continuous:
             # A continuous engine takes requests one by one, tens a second: the record
@@ -272,6 +280,25 @@ class Replica:
             self._cond.notify()
         if not self.engine.continuous:
             self._hold([job])
+
+    def _hands_back(self, job: p.Job) -> bool:
+        """A pull sent before the gate shut (`kombu_internals.gate_pulls` lets it finish)
+        brought a request this replica would not have pulled now: a peer frees first, or
+        its buffer is full. Here it would wait for a batch to end; it goes back to the front
+        of its queue instead, for the consumer that asks next (each consumer hands back
+        at most the one message its last pull brings, so it does not circle). A replica
+        that is draining keeps it and runs it."""
+        if not self._is_taking() or self.wants_messages():
+            return False
+        self.stats.num_taken_shut += 1
+        if not self.hand_back:
+            return False
+        try:
+            self.redis.rpush(p.queue_key(job.model, job.tier), self.envelope(job))  # the end BRPOP pops
+        except redis.RedisError:
+            return False  # it runs here, a batch later
+        self.stats.num_handed_back += 1
+        return True
 
     def _hold(self, jobs: list[p.Job]) -> None:
         """Hand requests to the recorder thread."""

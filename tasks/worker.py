@@ -146,6 +146,7 @@ class ReplicaStep(bootsteps.StartStopStep):
                 lease_ms=s.lease_ms,
                 stall_ms=s.stall_ms,
                 max_clock_error_ms=s.max_clock_error_ms,
+                hand_back=s.hand_back_pulls,
             )
             self.replica.load_engine = spec.load_engine
             self.replica.switch_queue = partial(_switch_queue, c)

@@ -86,3 +86,33 @@ def _collect(state: redis.Redis, items: list[dict]) -> int:
     state.delete(p.reply_key("gw"))
     time.sleep(0.01)
     return len(items)
+
+
+def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_its_queue(
+    state: redis.Redis,
+) -> None:
+    clock = BrokerClock(state)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
+    config = CollectorConfig(max_batch=4, batch_ms=20.0, max_wait_ms=60_000.0)  # no batch starts by itself
+    replica = Replica("r-test", MODEL, engine, config, state, clock)
+    replica.start()
+    try:
+        now = clock.now_ms()
+        queue = p.queue_key(MODEL, "free")
+        state.lpush(queue, "older")  # waiting in the queue already
+        replica.gate.start(now, 10_000.0)  # busy for long, and a peer is idle: the gate is shut
+        replica.gate.peers(idle=True)
+        assert not replica.wants_messages()
+        first = _job(1, "x", now)
+        replica.submit(first)  # as if a BRPOP sent before the gate shut had brought it
+        assert len(replica.collector) == 0
+        assert state.lrange(queue, 0, -1) == [b"older", first.model_dump_json().encode()]  # next to be popped
+        replica.hand_back = False  # KEYBATCH_HAND_BACK_PULLS=0: it waits here for a batch
+        replica.submit(_job(2, "y", now))
+        assert replica.collector.ids() == ["a2"]
+        assert (replica.stats.num_taken_shut, replica.stats.num_handed_back) == (2, 1)
+        replica.gate.finish()  # an open gate: what a pull brings stays
+        replica.submit(_job(3, "z", now))
+        assert replica.collector.ids() == ["a2", "a3"]
+    finally:
+        replica.stop()

@@ -130,3 +130,11 @@ def test_continuous_policy_aborts_superseded_requests() -> None:
     assert result.counts()["cancelled_409"] > 50
     assert result.counts().get("lost", 0) == 0
     assert result.summary()["answered_200_share"] >= 0.99
+
+
+def test_a_request_a_pull_brings_after_the_gate_shut_is_handed_back_not_kept() -> None:
+    workload = make_workload(154, 20, paid_fraction=0.0, seed=1)  # 30% of two replicas
+    keep = simulate(make_config(2, pull_in_flight="keep"), workload)
+    back = simulate(make_config(2, pull_in_flight="hand_back"), workload)
+    assert keep.stats["taken_shut"] > 0 and back.stats["taken_shut"] > 0
+    assert back.summary()["p50_ms"] < 0.95 * keep.summary()["p50_ms"]  # kept ones wait for a batch to end
