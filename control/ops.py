@@ -74,6 +74,8 @@ def replica_json(r: ReplicaInfo) -> dict[str, Any]:
         "heartbeat_age_ms": round(r.heartbeat_age_ms, 1),
         "num_batches": r.num_batches,
         "num_requests": r.num_requests,
+        "taken_shut": r.taken_shut,
+        "handed_back": r.handed_back,
         "engine": r.engine,
     }
 
