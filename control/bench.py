@@ -60,7 +60,7 @@ def _deployment(workers: int, max_batch: int | None) -> Iterator[tuple[str, str,
         system.start()
         try:
             _warm(system.url, model)
-            yield system.url, model, settings
+            yield system.url, model, settings.model_copy(update={"redis_url": system.redis_url})
         finally:
             system.stop()
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,18 @@ from rich.table import Table
 
 from control.bench import FREE_KEY, _deployment, _hf_deployment
 from control.loadgen import LoadSpec, generate, summarize
+from control.ops import Operator
 from control.settings import Settings
 from control.sim import CostModel, SimConfig, make_workload, simulate
 
 ENGINE_CURVE = Path(__file__).resolve().parent.parent / "docs" / "bench" / "engine-small.json"
+
+
+def _pulls(s: Settings) -> tuple[int, int]:
+    """The fleet's requests brought by a pull sent before the gate shut, and of those
+    handed back, so far."""
+    replicas = Operator(s).snapshot().replicas
+    return sum(r.taken_shut for r in replicas), sum(r.handed_back for r in replicas)
 
 
 def _sim(s: Settings, workers: int, rps: float, seconds: float, seed: int) -> dict[str, Any]:
@@ -38,9 +47,10 @@ def _sim(s: Settings, workers: int, rps: float, seconds: float, seed: int) -> di
         budget_ms=s.deadline_ms,
         max_queue_paid=s.max_queue_paid,
         max_queue_free=s.max_queue_free,
+        pull_in_flight="hand_back" if s.hand_back_pulls else "keep",
     )
     result = simulate(config, make_workload(rps, seconds, paid_fraction=0.0, seed=seed))
-    return {**result.summary(), "mean_batch": round(result.mean_batch(), 1)}
+    return {**result.summary(), "mean_batch": round(result.mean_batch(), 1), "taken_shut": result.stats["taken_shut"]}
 
 
 def _hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,7 +98,10 @@ def run_simcheck(args: argparse.Namespace) -> int:
         capacity = args.workers * s.max_batch * 1000.0 / s.batch_ms
         for load in loads:
             rps = load * capacity
+            pulls = _pulls(s)
             live = summarize(generate(LoadSpec(url, rps, args.duration, model, free_key=FREE_KEY, seed=args.seed)))
+            time.sleep(2 * s.heartbeat_s)  # the replicas' counters reach the registry with their heartbeat
+            taken, handed = (after - before for after, before in zip(_pulls(s), pulls, strict=True))
             sim = _sim(s, args.workers, rps, args.duration, args.seed)
             a = live["all"]
             rows.append(
@@ -101,15 +114,19 @@ def run_simcheck(args: argparse.Namespace) -> int:
                         "ok_share": round(a["ok_share"], 5),
                         "system_p50_ms": round(a["system_p50_ms"], 1),
                         "mean_batch": round(a["mean_batch"], 1),
+                        "taken_shut": taken,
+                        "handed_back": handed,
                     },
                     "sim": sim,
                 }
             )
             print(f"load {load:.0%}: live p50/p99 {a['p50_ms']:.0f}/{a['p99_ms']:.0f} ms, "
-                  f"sim {sim.get('p50_ms', 0):.0f}/{sim.get('p99_ms', 0):.0f} ms", flush=True)  # fmt: skip
+                  f"sim {sim.get('p50_ms', 0):.0f}/{sim.get('p99_ms', 0):.0f} ms; pulled after the gate shut: "
+                  f"live {taken} ({handed} handed back), sim {sim['taken_shut']}", flush=True)  # fmt: skip
     overhead = rows[0]["live"]["system_p50_ms"]  # the live path's own time where queues are short
     table = Table(title=f"simulator against the live fleet: {args.workers} replicas, fixed backend")
-    for col in ("load", "req/s", "live p50", "sim p50 (+own)", "ratio", "live p99", "sim p99 (+own)", "ratio"):
+    for col in ("load", "req/s", "live p50", "sim p50 (+own)", "ratio", "live p99", "sim p99 (+own)", "ratio",
+                "pulled late live / sim"):  # fmt: skip
         table.add_column(col, justify="right")
     for row in rows:
         live, sim = row["live"], row["sim"]
@@ -126,6 +143,7 @@ def run_simcheck(args: argparse.Namespace) -> int:
             f"{live['p99_ms']:.0f}",
             f"{sim99:.0f}",
             f"{row['ratio_p99']:.2f}",
+            f"{live['taken_shut']} / {sim['taken_shut']}",
         )
     Console().print(table)
     within = all(abs(r["ratio_p50"] - 1) <= 0.1 and abs(r["ratio_p99"] - 1) <= 0.1 for r in rows)

@@ -23,4 +23,5 @@ def test_simcheck_reports_live_and_simulated_figures_for_each_load(tmp_path: Pat
     # Both see a 250 ms batch plus the wait to fill it: neither can be faster than a batch.
     assert live["p50_ms"] >= 250 and sim["p50_ms"] >= 250
     assert row["ratio_p50"] == round(live["p50_ms"] / row["sim_with_overhead"]["p50_ms"], 3)
+    assert live["taken_shut"] >= live["handed_back"] >= 0 and sim["taken_shut"] >= 0
     assert report["hf"] is None
