@@ -224,7 +224,10 @@ def add_simcheck_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="replicas")
     p.add_argument("--duration", type=float, default=30.0, help="seconds per load")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sim-runs", type=int, default=5, help="simulated runs pooled per load, each its own arrivals")
+    p.add_argument("--sim-warmup", type=float, default=10.0, help="simulated seconds not counted at the start of a run")
     p.add_argument("--hf-rps", type=float, default=0.0, help="also the torch engine (kb-small) at this rate; 0: not")
+    p.add_argument("--hf-curve", default=None, help="the engine curve JSON for that check (default: measured first)")
     p.add_argument("--json", default=None, help="write all figures here")
 
 

@@ -59,6 +59,7 @@ class Record:
     answered_s: float = 0.0  # seconds since the run started: answer parsed, error or hang-up
     hung_up: bool = False  # the client closed its connection on purpose (LoadSpec.hangup_share)
     ttft_ms: float = 0.0  # streams: time to the first event with text
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     model: str = ""
     session: str = ""  # the X-Session-Id sent (typing), else ""
@@ -360,6 +361,7 @@ async def _one(run: _Run, arrival: Arrival, i: int, hangup: bool) -> Record:
     if answer.status == 200:
         assert completion is not None  # each 200 above set it
         rec.completion_tokens = completion.get("usage", {}).get("completion_tokens", 0)
+        rec.prompt_tokens = completion.get("usage", {}).get("prompt_tokens", 0)
         rec.answer_id = completion.get("id", "")
         kb = completion.get("keybatch")  # another server (a peer under benchmark) has no timings
         if kb is not None:

@@ -264,6 +264,7 @@ class SimConfig:
     regions: int = 1
     max_batch: int = 64
     batch_ms: float = 250.0  # fixed batch time, unless `costs` gives a model a curve
+    batch_jitter_ms: float = 0.0  # a fixed batch takes batch_ms plus up to this much more (uniform)
     costs: dict[str, CostModel] = field(default_factory=dict)
     policy: str = "static"  # or "continuous": tasks/scheduler.py plans each step, a cost model prices it
     max_wait_ms: float = 20.0
@@ -882,7 +883,7 @@ class Simulation:
 
     def _batch_ms(self, group: Group, batch: list[Pending]) -> float:
         if group.cost is None:
-            return self.config.batch_ms
+            return self.config.batch_ms + self.config.batch_jitter_ms * self._random()
         w = self.workload
         idx = [p.payload for p in batch]
         return group.cost.batch_ms(w.prompt_tokens[idx].tolist(), w.output_tokens[idx].tolist())
