@@ -189,6 +189,8 @@ def _hf_deployment(workers: int, policy: str, model: str, **env: str) -> Iterato
         try:
             spec = LoadSpec(system.url, 2.0, 3.0, model, free_key=FREE_KEY, deadline_ms=10_000)
             generate(spec, show_progress=False)  # first steps run slow (allocation, first kernels)
+            if system.redis_url:  # what this process reads of the fleet meanwhile (`Settings().state_url`)
+                os.environ["KEYBATCH_REDIS_URL"] = system.redis_url
             yield system.url
         finally:
             system.stop()

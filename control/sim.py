@@ -65,6 +65,7 @@ class CostModel:
     decode_ms: dict[int, dict[int, float]]  # context tokens -> batch size -> ms per step
     prefill_ms: dict[int, float]  # prompt tokens -> ms for one request's prefill
     name: str = ""
+    step_overhead_ms: float = 0.0  # a step's work besides its forwards (scheduling, sampling)
 
     @classmethod
     def from_file(cls, path: str | Path) -> CostModel:
@@ -77,6 +78,16 @@ class CostModel:
         if not decode or not prefill:
             raise ValueError(f"{path}: empty decode_ms or prefill_ms")
         return cls(decode, prefill, str(data.get("model", {}).get("name", Path(path).stem)))
+
+    def scaled(self, decode: float, prefill: float, step_overhead_ms: float = 0.0) -> CostModel:
+        """The same curve with every decode step and prefill taking these multiples, and
+        each step `step_overhead_ms` more."""
+        return CostModel(
+            {c: {b: ms * decode for b, ms in row.items()} for c, row in self.decode_ms.items()},
+            {t: ms * prefill for t, ms in self.prefill_ms.items()},
+            self.name,
+            step_overhead_ms,
+        )
 
     def step_ms(self, batch: int, context: float) -> float:
         """One decode step for `batch` rows at `context` tokens: interpolated in both, and
@@ -102,7 +113,8 @@ class CostModel:
         """A static batch: every prompt prefilled, then the longest output's steps for all rows."""
         longest = max(outputs)
         context = sum(prompts) / len(prompts) + longest / 2
-        return sum(self.prefill_ms_for(t) for t in prompts) + longest * self.step_ms(len(prompts), context)
+        step = self.step_ms(len(prompts), context) + self.step_overhead_ms
+        return sum(self.prefill_ms_for(t) for t in prompts) + longest * step
 
     def expected_batch_ms(self, size: int, samples: int = 200, seed: int = 7) -> float:
         """The mean time of a batch of `size` requests from the workload's mix (what a replica
@@ -353,7 +365,8 @@ class SimEngine:
             self.rows[i] = [request.num_prompt_tokens, self.outputs.pop(i)]
         self.plan = plan
         decode = self.cost.step_ms(len(plan.decodes), CONTEXT_TOKENS) if plan.decodes else 0.0
-        return decode + sum(self.cost.prefill_ms_for(n) for n in plan.prefills.values())
+        prefill = sum(self.cost.prefill_ms_for(n) for n in plan.prefills.values())
+        return decode + prefill + (self.cost.step_overhead_ms if decode or prefill else 0.0)
 
     def finish_step(self) -> list[Pending]:
         """Apply the planned step; the requests that finished with it."""
@@ -425,7 +438,10 @@ class Group:
             self.batch_ms = self.cost.prefill_ms_for(300) + MEAN_OUTPUT_TOKENS * self.cost.step_ms(
                 config.max_batch, CONTEXT_TOKENS
             )
-        self.scheduler_config = SchedulerConfig(max_slots=config.max_batch)
+        # as `tasks.lm.engine.HFEngine` builds it: a step computes a decode for every slot and one chunk
+        self.scheduler_config = SchedulerConfig(
+            max_slots=config.max_batch, token_budget=config.max_batch + SchedulerConfig.prefill_chunk
+        )
         self.collector_config = CollectorConfig(
             max_batch=config.max_batch,
             max_wait_ms=config.max_wait_ms,

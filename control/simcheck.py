@@ -41,7 +41,7 @@ from control.bench import FREE_KEY, _deployment, _hf_deployment
 from control.loadgen import LoadSpec, Record, generate, summarize
 from control.ops import Operator
 from control.settings import Settings
-from control.sim import OK, CostModel, SimConfig, SimResult, Workload, make_workload, simulate
+from control.sim import CONTEXT_TOKENS, OK, CostModel, SimConfig, SimResult, Workload, make_workload, simulate
 
 
 def _pulls(s: Settings) -> tuple[int, int]:
@@ -126,18 +126,84 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
     """The torch engine under continuous batching at one rate: live (kb-small, the
     workload of `bench policies`) against the simulator on the engine's measured curve,
     with the prompt and answer lengths the live run had (a model stops at its own end
-    of text, so how long its answers are is the model's, not the request's)."""
+    of text, so how long its answers are is the model's, not the request's). Twice: on
+    the curve as `bench engine` measured it alone, and on that curve scaled to the
+    forward times the serving engine itself measured during the run (its cores shared
+    with the gateway, the broker and the load)."""
     from control import workloads
 
     curve = _engine_curve(args.hf_curve)
     bodies = workloads.mixed(400, seed=args.seed)
     deadline_ms = 5000.0
     with _hf_deployment(1, "continuous", "kb-small") as url:
+        before = _engine_times()
         spec = LoadSpec(url, args.hf_rps, args.duration, "kb-small", free_key=FREE_KEY, deadline_ms=deadline_ms,
                         bodies=bodies, seed=args.seed)  # fmt: skip
         records = generate(spec)
+        time.sleep(2 * Settings().heartbeat_s)  # the engine's counters reach the registry with the heartbeat
+        served = {k: v - before.get(k, 0.0) for k, v in _engine_times().items()}
     live = summarize(records)["all"]
     lengths = np.array([(r.prompt_tokens, r.completion_tokens) for r in records if r.status == 200], dtype=np.int16)
+    factors = _serving_factors(curve, served, lengths)
+    out: dict[str, Any] = {
+        "rps": args.hf_rps,
+        "live": {"p50_ms": round(live["p50_ms"], 1), "p99_ms": round(live["p99_ms"], 1),
+                 "ok_share": round(live["ok_share"], 5),
+                 "system_p50_ms": round(live["system_p50_ms"], 1),
+                 "mean_completion_tokens": round(float(lengths[:, 1].mean()), 1) if len(lengths) else 0.0,
+                 "engine": {k: round(v, 1) for k, v in served.items()}},
+        "serving_factors": factors,
+    }  # fmt: skip
+    served_curve = curve.scaled(factors["decode"], factors["prefill"], factors["step_overhead_ms"])
+    own = live["system_p50_ms"]  # the path's own time, as for the fixed backend
+    for key, model in (("sim", curve), ("sim_served", served_curve)):
+        sim = _hf_sim(args, model, lengths, deadline_ms)
+        out[key] = sim
+        out[f"ratio_p50{key[3:]}"] = round(live["p50_ms"] / (sim["p50_ms"] + own), 3) if sim.get("p50_ms") else None
+        out[f"ratio_p99{key[3:]}"] = round(live["p99_ms"] / (sim["p99_ms"] + own), 3) if sim.get("p99_ms") else None
+    print(
+        f"hf continuous at {args.hf_rps:g} req/s: live p50/p99 {live['p50_ms']:.0f}/{live['p99_ms']:.0f} ms; "
+        f"sim on the engine's curve {out['sim'].get('p50_ms', 0):.0f}/{out['sim'].get('p99_ms', 0):.0f} ms "
+        f"(ratios {out['ratio_p50']}/{out['ratio_p99']}); on the serving engine's forward times "
+        f"(decode x{factors['decode']}, prefill x{factors['prefill']}, {factors['step_overhead_ms']} ms a step more) "
+        f"{out['sim_served'].get('p50_ms', 0):.0f}/{out['sim_served'].get('p99_ms', 0):.0f} ms "
+        f"(ratios {out['ratio_p50_served']}/{out['ratio_p99_served']}, the path's own {own:.1f} ms added)"
+    )
+    return out
+
+
+def _engine_times() -> dict[str, float]:
+    """The one replica's engine counters (tokens, forwards, time in forwards) so far."""
+    (replica,) = Operator(Settings()).snapshot().replicas
+    return dict(replica.engine)
+
+
+def _serving_factors(curve: CostModel, served: dict[str, float], lengths: np.ndarray) -> dict[str, float]:
+    """How much longer the serving engine's forwards took than the curve says: its mean
+    decode forward against the curve's at its mean rows, its prefill per token against
+    the curve's for the mean prompt; and what its steps spent besides forwards."""
+    forwards, prefill_tokens = served.get("total_decode_forwards", 0.0), served.get("prefill_tokens", 0.0)
+    steps = served.get("steps", 0.0)
+    if not forwards or not prefill_tokens or not steps or not len(lengths):
+        return {"decode": 1.0, "prefill": 1.0, "step_overhead_ms": 0.0}
+    rows = served["total_decode_rows"] / forwards
+    decode = served["total_decode_ms"] / forwards / curve.step_ms(max(1, round(rows)), CONTEXT_TOKENS)
+    prompt = float(lengths[:, 0].mean())
+    prefill = served["total_prefill_ms"] / prefill_tokens / (curve.prefill_ms_for(round(prompt)) / prompt)
+    # what a turn of the replica's loop spent besides forwards: the engine's own step work,
+    # and the replica's (a round trip for cancels each turn, answers, admissions)
+    turns = served.get("total_loops") or steps
+    spent = served.get("total_loop_ms") or served["total_step_ms"]
+    rest = spent - served["total_decode_ms"] - served["total_prefill_ms"]
+    return {
+        "decode": round(decode, 3),
+        "prefill": round(prefill, 3),
+        "step_overhead_ms": round(max(0.0, rest / turns), 3),
+        "mean_decode_rows": round(rows, 2),
+    }
+
+
+def _hf_sim(args: argparse.Namespace, curve: CostModel, lengths: np.ndarray, deadline_ms: float) -> dict[str, Any]:
     s = Settings()
     config = SimConfig(
         replicas=[1],
@@ -154,22 +220,7 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
         if len(lengths):
             workload = _with_lengths(workload, lengths, args.seed + k)
         results.append(simulate(config, workload))
-    sim = _pooled(results)
-    out = {
-        "rps": args.hf_rps,
-        "live": {"p50_ms": round(live["p50_ms"], 1), "p99_ms": round(live["p99_ms"], 1),
-                 "ok_share": round(live["ok_share"], 5),
-                 "mean_completion_tokens": round(float(lengths[:, 1].mean()), 1) if len(lengths) else 0.0},
-        "sim": sim,
-    }  # fmt: skip
-    out["ratio_p50"] = round(live["p50_ms"] / sim["p50_ms"], 3) if sim.get("p50_ms") else None
-    out["ratio_p99"] = round(live["p99_ms"] / sim["p99_ms"], 3) if sim.get("p99_ms") else None
-    print(
-        f"hf continuous at {args.hf_rps:g} req/s: live p50/p99 {live['p50_ms']:.0f}/{live['p99_ms']:.0f} ms, "
-        f"sim {sim.get('p50_ms', 0):.0f}/{sim.get('p99_ms', 0):.0f} ms, "
-        f"ratios {out['ratio_p50']}/{out['ratio_p99']}"
-    )
-    return out
+    return _pooled(results)
 
 
 def _engine_curve(path: str | None) -> CostModel:
@@ -194,6 +245,28 @@ def _with_lengths(workload: Workload, lengths: np.ndarray, seed: int) -> Workloa
 
 def run_simcheck(args: argparse.Namespace) -> int:
     loads = [float(x) for x in args.loads.split(",") if x]
+    rows = _fixed(args, loads) if loads else []
+    if rows:
+        _print_table(rows, args.workers)
+    within = all(abs(r["ratio_p50"] - 1) <= 0.1 and abs(r["ratio_p99"] - 1) <= 0.1 for r in rows)
+    if rows:
+        print(f"every p50 and p99 within 10%: {'yes' if within else 'no'}")
+    hf = _hf(args) if args.hf_rps > 0 else None
+    if args.json:
+        report = {
+            "hf": hf,
+            "command": f"keybatch bench simcheck --loads {args.loads} --workers {args.workers} "
+            f"--duration {args.duration:g} --sim-runs {args.sim_runs} --sim-warmup {args.sim_warmup:g} "
+            f"--seed {args.seed} --hf-rps {args.hf_rps:g}" + (f" --hf-curve {args.hf_curve}" if args.hf_curve else ""),
+            "rows": rows,
+            "within_10_percent": within,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _fixed(args: argparse.Namespace, loads: list[float]) -> list[dict[str, Any]]:
+    """The fixed backend at each load, live then simulated."""
     rows: list[dict[str, Any]] = []
     with _deployment(args.workers, None) as (url, model, s):
         capacity = args.workers * s.max_batch * 1000.0 / s.batch_ms
@@ -214,21 +287,7 @@ def run_simcheck(args: argparse.Namespace) -> int:
                   f"sim {sim.get('p50_ms', 0):.0f}/{sim.get('p99_ms', 0):.0f} ms (+{live['system_p50_ms']:.1f}); "
                   f"pulled after the gate shut: live {taken} ({handed} handed back), sim {sim['taken_shut']:.0f}",
                   flush=True)  # fmt: skip
-    _print_table(rows, args.workers)
-    within = all(abs(r["ratio_p50"] - 1) <= 0.1 and abs(r["ratio_p99"] - 1) <= 0.1 for r in rows)
-    print(f"every p50 and p99 within 10%: {'yes' if within else 'no'}")
-    hf = _hf(args) if args.hf_rps > 0 else None
-    if args.json:
-        report = {
-            "hf": hf,
-            "command": f"keybatch bench simcheck --loads {args.loads} --workers {args.workers} "
-            f"--duration {args.duration:g} --sim-runs {args.sim_runs} --sim-warmup {args.sim_warmup:g} "
-            f"--seed {args.seed} --hf-rps {args.hf_rps:g}" + (f" --hf-curve {args.hf_curve}" if args.hf_curve else ""),
-            "rows": rows,
-            "within_10_percent": within,
-        }
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    return rows
 
 
 def _print_table(rows: list[dict[str, Any]], workers: int) -> None:

@@ -158,6 +158,7 @@ class Replica:
         self.why_not_ready = ""
         self._renew_at_ms = 0.0  # monotonic
         self._batch_started = 0.0  # monotonic ms of the running batch's start
+        self._loop_times = [0.0, 0]  # continuous: ms spent in turns of the loop that stepped, and those turns
         self._arrivals = threading.Condition()
         self._unrecorded: list[p.Job] = []  # taken from the queue, not yet in the held hash
         self._recorder = threading.Thread(target=self._record, name=f"held-{name}", daemon=True)
@@ -629,11 +630,14 @@ class Replica:
         """Requests join the engine between steps and leave when they finish."""
         while self._wait_for_work():
             try:
+                started = _monotonic_ms()
                 self.renew_lease_if_due()
                 self._check_drained()
                 self._admit()
                 if self.engine.has_unfinished():
                     self._step()
+                    self._loop_times[0] += _monotonic_ms() - started
+                    self._loop_times[1] += 1
             except Exception:  # Redis away, a bad message: never let the loop die
                 log.exception("continuous loop error; %d requests running", len(self._joined))
                 self._fail_running()
@@ -863,7 +867,10 @@ class Replica:
         stats = getattr(self.engine, "stats", None)
         if stats is None:
             return {}
-        return {f"{ENGINE_PREFIX}{k}": round(v, 3) for k, v in _numeric(stats()).items()}
+        fields = {f"{ENGINE_PREFIX}{k}": round(v, 3) for k, v in _numeric(stats()).items()}
+        if self.engine.continuous:  # the loop around the steps: admit, step, answer
+            fields[f"{ENGINE_PREFIX}total_loop_ms"], fields[f"{ENGINE_PREFIX}total_loops"] = self._loop_times
+        return fields
 
     def report(self) -> dict[str, EncodableT]:
         """What the replica publishes in the registry (and answers over remote control)."""

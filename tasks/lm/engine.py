@@ -133,6 +133,10 @@ class HFEngine:
             ),
             0,
         )
+        # Time since the start, what a model of this engine is checked against (`keybatch
+        # bench simcheck`): whole steps, their decode forwards and the rows those ran, and
+        # their prefill chunks (a step's rest is scheduling, sampling, bookkeeping).
+        self.times = dict.fromkeys(("step_ms", "decode_ms", "decode_forwards", "decode_rows", "prefill_ms"), 0.0)
         self._warm_up()
 
     def _read_vocabulary(self) -> None:
@@ -247,7 +251,9 @@ class HFEngine:
             self._arrange()
         if plan.num_tokens:  # an idle step says nothing about the cost of work
             self.counters["steps"] += 1
-            self.costs.record_step((time.perf_counter() - started) * 1000.0, sum(plan.prefills.values()))
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            self.costs.record_step(elapsed_ms, sum(plan.prefills.values()))
+            self.times["step_ms"] += elapsed_ms
         return outputs
 
     def close(self) -> None:
@@ -262,6 +268,7 @@ class HFEngine:
         c = self.counters
         return {
             **c,
+            **{f"total_{name}": round(value, 1) for name, value in self.times.items()},
             "running": len(self.rows),
             "waiting": len(self.waiting),
             "prefix_hit_rate": c["prefix_hit_tokens"] / c["prefix_query_tokens"] if c["prefix_query_tokens"] else 0.0,
@@ -318,7 +325,11 @@ class HFEngine:
         positions = torch.tensor([min(r.num_computed, self.max_context - 1) for r in rows])
         started = time.perf_counter()
         logits = self.forward_decode(tokens, positions)
-        self.costs.record_decode(len(rows), (time.perf_counter() - started) * 1000.0)
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        self.costs.record_decode(len(rows), elapsed_ms)
+        self.times["decode_ms"] += elapsed_ms
+        self.times["decode_forwards"] += 1
+        self.times["decode_rows"] += len(rows)
         live = [i for i, r in enumerate(rows) if not r.status.is_finished]
         self.counters["decode_tokens"] += len(live)
         self.counters["padding_tokens"] += len(rows) - len(live)
@@ -340,7 +351,9 @@ class HFEngine:
             except Exception as exc:  # this request fails, the batch runs on
                 outputs.extend(self._fail(request, f"the model failed on this prompt: {exc!r}"))
                 continue
-            self.costs.record_prefill(num_tokens, (time.perf_counter() - started) * 1000.0)
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            self.costs.record_prefill(num_tokens, elapsed_ms)
+            self.times["prefill_ms"] += elapsed_ms
             self.counters["prefill_tokens"] += num_tokens
             request.num_computed += num_tokens
             if request.is_decoding:
@@ -478,7 +491,9 @@ class HFEngine:
         with torch.inference_mode():
             started = time.perf_counter()
             self.forward_prefill(0, [self.pad_id] * num_tokens, 0)
-            self.costs.record_prefill(num_tokens, (time.perf_counter() - started) * 1000.0)
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            self.costs.record_prefill(num_tokens, elapsed_ms)
+            self.times["prefill_ms"] += elapsed_ms
             for batch in sorted({1, self.max_batch}):
                 positions = torch.full((batch,), num_tokens)
                 started = time.perf_counter()
