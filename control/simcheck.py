@@ -93,6 +93,7 @@ def _sim(s: Settings, args: argparse.Namespace, rps: float, batch: tuple[float, 
         for k in range(max(1, args.sim_runs))
     ]
     pooled = _pooled(results, args.sim_warmup * 1000.0)
+    pooled["taken_shut"] = round(pooled["taken_shut"] * args.duration / seconds, 1)  # in as long as the live run
     return {**pooled, "batch_ms": round(floor, 1), "batch_jitter_ms": round(spread, 1)}
 
 
