@@ -142,7 +142,7 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
                         bodies=bodies, seed=args.seed)  # fmt: skip
         records = generate(spec)
         time.sleep(2 * Settings().heartbeat_s)  # the engine's counters reach the registry with the heartbeat
-        served = {k: v - before.get(k, 0.0) for k, v in _engine_times().items()}
+        served = {k: v - before.get(k, 0.0) for k, v in _engine_times().items() if k in COUNTERS}
     live = summarize(records)["all"]
     lengths = np.array([(r.prompt_tokens, r.completion_tokens) for r in records if r.status == 200], dtype=np.int16)
     factors = _serving_factors(curve, served, lengths)
@@ -171,6 +171,12 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
         f"(ratios {out['ratio_p50_served']}/{out['ratio_p99_served']}, the path's own {own:.1f} ms added)"
     )
     return out
+
+
+# The engine's counters a run's difference means something for (the rest are moving averages).
+COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "finished", "total_step_ms", "total_decode_ms",
+            "total_decode_forwards", "total_decode_rows", "total_prefill_ms", "total_loop_ms",
+            "total_loops")  # fmt: skip
 
 
 def _engine_times() -> dict[str, float]:
