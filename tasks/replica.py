@@ -261,12 +261,13 @@ class Replica:
             return None
         return self.gate.reopens_at(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
-    def submit(self, job: p.Job) -> None:
+    def submit(self, job: p.Job) -> bool:
         """Buffer one request (called from the consumer's thread, right after it took the
         message from the queue); the recorder thread writes it into the held hash within
-        `RECORD_MS`, so that a sweep can re-queue it if this replica dies."""
+        `RECORD_MS`, so that a sweep can re-queue it if this replica dies. False: handed
+        back to the queue instead (`_hands_back`)."""
         if self._hands_back(job):
-            return
+            return False
         pending = self._pending(job)
         if self.engine.continuous:
             # A continuous engine takes requests one by one, tens a second: the record
@@ -281,6 +282,7 @@ class Replica:
             self._cond.notify()
         if not self.engine.continuous:
             self._hold([job])
+        return True
 
     def _hands_back(self, job: p.Job) -> bool:
         """A pull sent before the gate shut (`kombu_internals.gate_pulls` lets it finish)

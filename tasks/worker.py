@@ -58,8 +58,8 @@ def batching_strategy(task: Task, app: Celery, consumer: Any, **_: Any) -> Any:
         except (ValueError, TypeError, IndexError, ValidationError):
             log.warning("rejecting a malformed job message")
             return
-        consumer.keybatch_replica.submit(job)
-        if send_events:
+        kept = consumer.keybatch_replica.submit(job)
+        if kept and send_events:  # one handed back is received by the replica that runs it
             eventer.send(
                 "task-received",
                 uuid=job.id,

@@ -104,11 +104,11 @@ def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_i
         replica.gate.peers(idle=True)
         assert not replica.wants_messages()
         first = _job(1, "x", now)
-        replica.submit(first)  # as if a BRPOP sent before the gate shut had brought it
+        assert not replica.submit(first)  # as if a BRPOP sent before the gate shut had brought it
         assert len(replica.collector) == 0
         assert state.lrange(queue, 0, -1) == [b"older", first.model_dump_json().encode()]  # next to be popped
         replica.hand_back = False  # KEYBATCH_HAND_BACK_PULLS=0: it waits here for a batch
-        replica.submit(_job(2, "y", now))
+        assert replica.submit(_job(2, "y", now))
         assert replica.collector.ids() == ["a2"]
         assert (replica.stats.num_taken_shut, replica.stats.num_handed_back) == (2, 1)
         replica.gate.finish()  # an open gate: what a pull brings stays
