@@ -228,6 +228,7 @@ def add_simcheck_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-warmup", type=float, default=10.0, help="simulated seconds not counted at the start of a run")
     p.add_argument("--hf-rps", type=float, default=0.0, help="also the torch engine (kb-small) at this rate; 0: not")
     p.add_argument("--hf-curve", default=None, help="the engine curve JSON for that check (default: measured first)")
+    p.add_argument("--hf-curve-out", default=None, help="write the curve scaled to the serving engine's times here")
     p.add_argument("--json", default=None, help="write all figures here")
 
 

@@ -77,7 +77,18 @@ class CostModel:
             raise ValueError(f"{path}: not an engine curve (decode_ms, prefill_ms): {exc}") from exc
         if not decode or not prefill:
             raise ValueError(f"{path}: empty decode_ms or prefill_ms")
-        return cls(decode, prefill, str(data.get("model", {}).get("name", Path(path).stem)))
+        name = data.get("model", {})
+        name = name.get("name", Path(path).stem) if isinstance(name, dict) else str(name)
+        return cls(decode, prefill, str(name), float(data.get("step_overhead_ms", 0.0)))
+
+    def as_json(self) -> dict[str, Any]:
+        """What `from_file` reads."""
+        return {
+            "model": {"name": self.name},
+            "decode_ms": {str(c): {str(b): ms for b, ms in row.items()} for c, row in self.decode_ms.items()},
+            "prefill_ms": {str(t): ms for t, ms in self.prefill_ms.items()},
+            "step_overhead_ms": self.step_overhead_ms,
+        }
 
     def scaled(self, decode: float, prefill: float, step_overhead_ms: float = 0.0) -> CostModel:
         """The same curve with every decode step and prefill taking these multiples, and

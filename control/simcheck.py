@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,9 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
         "serving_factors": factors,
     }  # fmt: skip
     served_curve = curve.scaled(factors["decode"], factors["prefill"], factors["step_overhead_ms"])
+    if args.hf_curve_out:  # what `keybatch capacity --cost-model` takes: the engine as it served
+        report = {**served_curve.as_json(), "serving_factors": factors, "measured": _when()}
+        Path(args.hf_curve_out).write_text(json.dumps(report, indent=1) + "\n")
     own = live["system_p50_ms"]  # the path's own time, as for the fixed backend
     for key, model in (("sim", curve), ("sim_served", served_curve)):
         sim = _hf_sim(args, model, lengths, deadline_ms)
@@ -177,6 +181,11 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
 COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "finished", "total_step_ms", "total_decode_ms",
             "total_decode_forwards", "total_decode_rows", "total_prefill_ms", "total_loop_ms",
             "total_loops")  # fmt: skip
+
+
+def _when() -> dict[str, Any]:
+    load = os.getloadavg()[0]
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(), "load_avg_1m": load}
 
 
 def _engine_times() -> dict[str, float]:

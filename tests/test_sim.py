@@ -3,7 +3,11 @@ and keeps every request accounted for through host and region loss."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from control import admission, sim
 from control.sim import CANCELLED, EXPIRED, LATE, OK, REFUSED, SimConfig, Simulation, make_workload, simulate
@@ -138,3 +142,15 @@ def test_a_request_a_pull_brings_after_the_gate_shut_is_handed_back_not_kept() -
     back = simulate(make_config(2, pull_in_flight="hand_back"), workload)
     assert keep.stats["taken_shut"] > 0 and back.stats["taken_shut"] > 0
     assert back.summary()["p50_ms"] < 0.95 * keep.summary()["p50_ms"]  # kept ones wait for a batch to end
+
+
+def test_a_curve_scaled_to_the_serving_engine_is_written_and_read_back(tmp_path: Path) -> None:
+    measured = sim.CostModel.from_file(Path(__file__).parent.parent / "docs" / "bench" / "engine-small.json")
+    served = measured.scaled(decode=1.1, prefill=1.3, step_overhead_ms=0.9)
+    path = tmp_path / "served.json"
+    path.write_text(json.dumps(served.as_json()))
+    back = sim.CostModel.from_file(path)
+    assert back == served
+    assert back.step_ms(4, 300) == pytest.approx(1.1 * measured.step_ms(4, 300))
+    step = 1.1 * measured.step_ms(1, 205) + 0.9  # a lone request: its prefill, then a step per token
+    assert back.batch_ms([200], [10]) == pytest.approx(1.3 * measured.prefill_ms_for(200) + 10 * step)
