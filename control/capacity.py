@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -31,7 +30,7 @@ from control.sim import (
     make_workload,
     simulate,
 )
-from control.simsplit import simulate_split
+from control.simsplit import simulate_split, used_processes
 
 
 @dataclass
@@ -330,6 +329,10 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
         )
     wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
+    processes = 1  # the cells run one after the other
+    if inputs.scope == "fleet" or all(c <= inputs.cell for c in counts):
+        regions = inputs.regions if inputs.scope == "fleet" else 1
+        processes = used_processes(sim_config(inputs, counts, models, regions=regions), inputs.processes or None)
     out["replicas_min"] = out["arithmetic"]["replicas_min"]
     out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
     out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]
@@ -344,7 +347,7 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         "requests": num_requests,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),  # the wall time on a core of its own
-        "processes": inputs.processes or os.cpu_count(),
+        "processes": processes,
         "requests_per_wall_s": round(num_requests / wall),
         "mean_batch": round(mean_batch, 2),
         **summary,

@@ -90,14 +90,14 @@ class CostModel:
             "step_overhead_ms": self.step_overhead_ms,
         }
 
-    def scaled(self, decode: float, prefill: float, step_overhead_ms: float = 0.0) -> CostModel:
+    def scaled(self, decode: float, prefill: float, step_overhead_ms: float | None = None) -> CostModel:
         """The same curve with every decode step and prefill taking these multiples, and
-        each step `step_overhead_ms` more."""
+        each step `step_overhead_ms` besides its forwards (default: this curve's)."""
         return CostModel(
             {c: {b: ms * decode for b, ms in row.items()} for c, row in self.decode_ms.items()},
             {t: ms * prefill for t, ms in self.prefill_ms.items()},
             self.name,
-            step_overhead_ms,
+            self.step_overhead_ms if step_overhead_ms is None else step_overhead_ms,
         )
 
     def step_ms(self, batch: int, context: float) -> float:
@@ -811,6 +811,8 @@ class Simulation:
             else:
                 if replica not in group.blocked:
                     group.blocked.append(replica)
+                    replica.asked_at = self.now
+                elif self.now - replica.asked_at >= BRPOP_TIMEOUT_MS:  # timed out, sent again
                     replica.asked_at = self.now
                 return
         self._shut(replica, in_flight=True)

@@ -59,7 +59,7 @@ def _pooled(results: list[SimResult], from_ms: float = 0.0) -> dict[str, Any]:
     latency = np.concatenate([(r.end_ms - r.workload.t_ms)[(r.state == OK) & c] for r, c in counted])
     queue = np.concatenate([(r.start_ms - r.workload.t_ms)[(r.state == OK) & c] for r, c in counted])
     sent = sum(int(c.sum()) for _, c in counted)
-    out: dict[str, Any] = {"runs": len(results), "answered_200_share": round(len(latency) / sent, 5)}
+    out: dict[str, Any] = {"runs": len(results), "answered_200_share": round(len(latency) / max(1, sent), 5)}
     if len(latency):
         p50, p99 = np.percentile(latency, [50, 99])
         q50, q99 = np.percentile(queue, [50, 99])

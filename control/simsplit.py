@@ -9,9 +9,9 @@ what they held to the surviving groups of the same model, which run next with th
 requests sent again 100 ms after the loss (as `control/sim.py` does in one process).
 
 What differs from one process: requests that reach the lost region after the loss, and
-what it held, are spread over the other regions by a draw made here rather than by the
-simulation's own; a typing session's requests that land in different regions no longer
-supersede one another. Queueing inside a group is the same code on the same arrivals.
+what it held, are spread over the other regions by a draw made here, once per typing
+session, rather than by the simulation's own, once per request. Queueing inside a group
+is the same code on the same arrivals.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def _shared_array(n: int, dtype: Any) -> np.ndarray:
 def _subset(workload: Workload, idx: np.ndarray) -> Workload:
     """The requests `idx` (ascending, then any sent again) with `prev` pointing inside them."""
     prev = workload.prev[idx]
-    if np.any(prev >= 0):
-        pos = np.minimum(np.searchsorted(idx, prev), len(idx) - 1)
-        prev = np.where((prev >= 0) & (idx[pos] == prev), pos, -1)
+    if np.any(prev >= 0):  # `idx` is its arrivals in order, then the resent in any order
+        order = np.argsort(idx, kind="stable")
+        at = order[np.minimum(np.searchsorted(idx, prev, sorter=order), len(idx) - 1)]
+        prev = np.where((prev >= 0) & (idx[at] == prev), at, -1)
     return Workload(
         workload.t_ms[idx],
         workload.paid[idx],
@@ -113,6 +114,12 @@ def _run_group(group: int, resend: list[tuple[float, int]]) -> dict[str, Any]:
     }
 
 
+def used_processes(config: SimConfig, processes: int | None = None) -> int:
+    """How many processes `simulate_split` runs: as asked (default: one per core), at most
+    one per group."""
+    return max(1, min(processes or os.cpu_count() or 1, config.regions * len(config.models)))
+
+
 def simulate_split(config: SimConfig, workload: Workload, processes: int | None = None) -> SimResult:
     """`simulate(config, workload)` with each group in a process of its own (`processes`
     at a time; default: one per core). The same result for any number of processes."""
@@ -120,10 +127,10 @@ def simulate_split(config: SimConfig, workload: Workload, processes: int | None 
     num_models, n = len(config.models), len(workload)
     loss_ms = config.region_loss_at_s * 1000.0 if config.region_loss_at_s is not None else None
     region = workload.region.astype(np.int16)
-    rng = np.random.default_rng(_SEED)
+    elsewhere = _elsewhere(config, workload) if loss_ms is not None else region
     if loss_ms is not None:  # sent to the lost region after the loss: another region instead
         moved = (region == 0) & (workload.t_ms >= loss_ms)
-        region[moved] = rng.integers(1, config.regions, int(moved.sum()))
+        region[moved] = elsewhere[moved]
     arrival_group = (region * num_models + workload.model).astype(np.int16)
     final_group = arrival_group.copy()
     _shared = _Shared(
@@ -138,25 +145,43 @@ def simulate_split(config: SimConfig, workload: Workload, processes: int | None 
     groups = list(range(config.regions * num_models))
     first = groups[:num_models] if loss_ms is not None else []
     rest = sorted(set(groups) - set(first), key=lambda g: -int(np.count_nonzero(arrival_group == g)))
-    processes = max(1, min(processes or os.cpu_count() or 1, len(groups)))
+    processes = used_processes(config, processes)
     outputs: list[dict[str, Any]] = []
     try:
         if processes == 1:
             outputs += [_run_group(g, []) for g in first]
-            resends = _spread(outputs, config, rng, final_group)
+            resends = _spread(outputs, config, elsewhere, final_group)
             outputs += [_run_group(g, resends.get(g, [])) for g in rest]
         else:
             with multiprocessing.get_context("fork").Pool(processes) as pool:
                 outputs += pool.starmap(_run_group, [(g, []) for g in first], chunksize=1)
-                resends = _spread(outputs, config, rng, final_group)
+                resends = _spread(outputs, config, elsewhere, final_group)
                 outputs += pool.starmap(_run_group, [(g, resends.get(g, [])) for g in rest], chunksize=1)
         return _merge(config, workload, outputs, final_group)
     finally:
         _shared = None
 
 
+def _elsewhere(config: SimConfig, workload: Workload) -> np.ndarray:
+    """The region each of the lost region's requests goes to if it is sent after the loss or
+    held at it: drawn once per typing session (its requests follow their first), so a
+    newer request still finds the one it supersedes."""
+    rng = np.random.default_rng(_SEED)
+    target = workload.region.astype(np.int16)
+    lost = target == 0
+    target[lost] = rng.integers(1, config.regions, int(lost.sum()))
+    follows = np.flatnonzero(lost & (workload.prev >= 0))
+    before = workload.prev[follows]
+    while len(follows):  # down the sessions' chains, a link a pass
+        changed = target[before] != target[follows]
+        if not changed.any():
+            break
+        target[follows] = target[before]
+    return target
+
+
 def _spread(
-    outputs: list[dict[str, Any]], config: SimConfig, rng: np.random.Generator, final_group: np.ndarray
+    outputs: list[dict[str, Any]], config: SimConfig, elsewhere: np.ndarray, final_group: np.ndarray
 ) -> dict[int, list[tuple[float, int]]]:
     """What the lost region's groups held, each to a surviving region's group of its model."""
     num_models = len(config.models)
@@ -164,7 +189,7 @@ def _spread(
     for out in outputs:
         model = out["group"] % num_models
         for at, j in out["handed_off"]:
-            group = int(rng.integers(1, config.regions)) * num_models + model
+            group = int(elsewhere[j]) * num_models + model
             resends.setdefault(group, []).append((at, j))
             final_group[j] = group
     return resends

@@ -298,8 +298,8 @@ class Replica:
             return False
         try:
             self.redis.rpush(p.queue_key(job.model, job.tier), self.envelope(job))  # the end BRPOP pops
-        except redis.RedisError:
-            return False  # it runs here, a batch later
+        except redis.RedisError:  # it runs here, a batch later; if the push did land (a timed-out
+            return False  # reply), the claim at launch lets only one of the two copies run
         self.stats.num_handed_back += 1
         return True
 

@@ -39,3 +39,24 @@ def test_split_agrees_with_one_process_through_a_region_loss() -> None:
     after = workload.t_ms > 4_100.0
     assert not np.any(after & (region == 0) & (split.state == OK))  # the lost region answered nothing more
     assert np.all(split.group[workload.model == 1] % 2 == 1)  # a model's requests stay with its replicas
+
+
+def test_typing_sessions_supersede_across_the_split_as_in_one_process() -> None:
+    config = SimConfig(replicas=[4], regions=3, region_loss_at_s=4.0)
+    workload = make_workload(2000, 12, profile="typing", regions=3, seed=5)
+    whole = simulate(config, workload)
+    split = simulate_split(config, workload, processes=2)
+    cancelled = whole.counts().get("cancelled_409", 0)
+    assert cancelled > 1000
+    # what a region held at the loss is sent again elsewhere; a newer request of its session still cancels it
+    assert abs(split.counts().get("cancelled_409", 0) - cancelled) / cancelled < 0.02
+    assert abs(split.stats["wasted"] - whole.stats["wasted"]) <= max(10, 0.1 * whole.stats["wasted"])
+
+
+def test_more_processes_than_queues_and_no_region_lost() -> None:
+    config = SimConfig(replicas=[3], regions=2)
+    workload = make_workload(1000, 6, regions=2, seed=2)
+    whole = simulate(config, workload)
+    split = simulate_split(config, workload, processes=8)
+    assert np.array_equal(whole.state, split.state)  # nothing crosses regions: the very same run
+    assert np.array_equal(whole.end_ms, split.end_ms)
