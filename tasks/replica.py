@@ -290,12 +290,17 @@ class Replica:
         its buffer is full. Here it would wait for a batch to end; it goes back to the front
         of its queue instead, for the consumer that asks next (each consumer hands back
         at most the one message its last pull brings, so it does not circle). A replica
-        that is draining keeps it and runs it."""
+        that is draining keeps it and runs it; one that is stopping hands it back whatever
+        `hand_back` says (its loop may have run its last batch, and a request kept then
+        would wait for its deadline)."""
+        if self._stopping:
+            return self._push_back(job)
         if not self._is_taking() or self.wants_messages():
             return False
         self.stats.num_taken_shut += 1
-        if not self.hand_back:
-            return False
+        return self.hand_back and self._push_back(job)
+
+    def _push_back(self, job: p.Job) -> bool:
         try:
             self.redis.rpush(p.queue_key(job.model, job.tier), self.envelope(job))  # the end BRPOP pops
         except redis.RedisError:  # it runs here, a batch later; if the push did land (a timed-out

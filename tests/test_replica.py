@@ -116,3 +116,16 @@ def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_i
         assert replica.collector.ids() == ["a2", "a3"]
     finally:
         replica.stop()
+
+
+def test_a_request_a_stopped_replica_is_brought_goes_back_to_its_queue(state: redis.Redis) -> None:
+    clock = BrokerClock(state)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
+    replica = Replica("r-test", MODEL, engine, CollectorConfig(max_batch=4, batch_ms=20.0), state, clock)
+    replica.hand_back = False  # even so: nothing would run it here
+    replica.start()
+    replica.stop()
+    job = _job(1, "x", clock.now_ms())
+    assert not replica.submit(job)  # the consumer's last pull, answered after the stop
+    assert len(replica.collector) == 0
+    assert state.lrange(p.queue_key(MODEL, "free"), 0, -1) == [job.model_dump_json().encode()]
