@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -233,6 +235,15 @@ def _cpu_s() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
+def _searched(tasks: list[tuple[Inputs, str, float, int]], processes: int) -> list[tuple[int | None, list[dict]]]:
+    """`search` for each model, the models' searches side by side in processes of their own."""
+    processes = max(1, min(processes or os.cpu_count() or 1, len(tasks)))
+    if processes == 1:
+        return [search(*task) for task in tasks]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return pool.starmap(search, tasks, chunksize=1)
+
+
 def plan(inputs: Inputs) -> dict[str, Any]:
     """Arithmetic, the search per model, and a final run of one surviving region at the
     recommended counts for `sim_seconds`."""
@@ -246,14 +257,16 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             f"a full batch takes {floor_ms - 15:.0f} ms on this engine: a budget of {inputs.budget_ms:.0f} ms "
             "(SLO less network) is below one batch, and admission answers 504 at once at any replica count"
         )
+    tasks = []
     for name, share in shares.items():
         if "why_not" in out:
             recommended[name] = None
             continue
         rps = inputs.rps * share / inputs.surviving
         start = out["arithmetic"]["per_model"][name]["replicas_min"]
-        start = max(1, math.ceil(start / inputs.surviving))
-        recommended[name], searches[name] = search(inputs, name, rps, start)
+        tasks.append((inputs, name, rps, max(1, math.ceil(start / inputs.surviving))))
+    for task, (count, tried) in zip(tasks, _searched(tasks, inputs.processes), strict=True):
+        recommended[task[1]], searches[task[1]] = count, tried
     out["search"] = searches
     if any(r is None for r in recommended.values()):
         out["met"] = False

@@ -258,7 +258,7 @@ def make_workload(
     else:
         t = _times(rate_profile(profile, rps, seconds), seconds, rng)
         n = len(t)
-        prev = np.full(n, -1)
+        prev = np.full(n, -1, dtype=np.int32)
         paid = rng.random(n) < paid_fraction
         model = rng.choice(len(shares), n, p=shares)
         region = rng.integers(0, regions, n)
@@ -266,12 +266,12 @@ def make_workload(
     # max_tokens log-uniform 4..128 (as `keybatch bench policies`), prompts 100-500 tokens
     outputs = np.exp(rng.uniform(np.log(4), np.log(129), n)).astype(np.int16)
     prompts = rng.integers(100, 501, n).astype(np.int16)
-    return Workload(
-        t.astype(np.float64),
-        paid.astype(bool),
-        model.astype(np.int8),
-        region.astype(np.int8),
-        prev.astype(np.int32),
+    return Workload(  # copy=False: tens of millions of requests are not copied for nothing
+        t.astype(np.float64, copy=False),
+        paid.astype(bool, copy=False),
+        model.astype(np.int8, copy=False),
+        region.astype(np.int8, copy=False),
+        prev.astype(np.int32, copy=False),
         prompts,
         outputs,
     )
@@ -707,7 +707,11 @@ class Simulation:
             blocked.rotate(-1)
             replica.asked_at = now
             self._take(replica, i)
-            if not self._wants(replica):
+            if not (
+                self._wants(replica)
+                if group.continuous
+                else replica.gate.wants(now, len(replica.collector.waiting), group.batch_ms)
+            ):
                 self._shut(replica)
             return
         queue = group.paid_queue if paid else group.free_queue

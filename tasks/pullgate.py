@@ -20,7 +20,10 @@ before every pull, and `reopens_at` when the answer is no, to set a timer.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+
+_SLACK_MS = 1.0  # the bisection looks this much wider (epoch ms round to 1e-4); each found is checked exactly
 
 
 @dataclass
@@ -32,6 +35,9 @@ class PullGate:
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise
     peer_launches: list[float] = field(default_factory=list)  # when the model's other replicas last started
+
+    def __post_init__(self) -> None:
+        self.peer_launches = sorted(self.peer_launches)  # in order: the peers' ends are found by bisection
 
     @property
     def pull_at_ms(self) -> float:
@@ -50,7 +56,7 @@ class PullGate:
         if idle is not None:
             self.peer_idle = idle
         if launches is not None:
-            self.peer_launches = launches
+            self.peer_launches = sorted(launches)
 
     def wants(self, now_ms: float, buffered: int, batch_ms: float) -> bool:
         """May a static-batching replica with `buffered` requests pull another now?"""
@@ -62,7 +68,7 @@ class PullGate:
             return False
         if now_ms >= self.ends_at_ms - self.lead_ms:  # `pull_at_ms`, asked before every pull
             return True
-        return not self.peer_idle and not self.peers_free_first(now_ms, batch_ms)
+        return not self.peer_idle and not self._num_peers_free_first(now_ms, batch_ms)
 
     def wants_continuous(self, buffered: int, free_slots: int) -> bool:
         """May a continuous engine's replica pull another now?"""
@@ -72,8 +78,19 @@ class PullGate:
 
     def peers_free_first(self, now_ms: float, batch_ms: float) -> list[float]:
         """The expected ends of the peers' batches that fall between now and this replica's end."""
-        ends = (t + batch_ms for t in self.peer_launches)
-        return [end for end in ends if now_ms < end < self.ends_at_ms]
+        return [t + batch_ms for t in self._peers_between(now_ms, batch_ms)]
+
+    def _num_peers_free_first(self, now_ms: float, batch_ms: float) -> int:
+        return len(self._peers_between(now_ms, batch_ms))
+
+    def _peers_between(self, now_ms: float, batch_ms: float) -> list[float]:
+        """The starts of the peers' batches that end in (now, this replica's end): asked
+        before every pull, so narrowed by bisection in the sorted starts, then checked
+        exactly (an end that falls on now or on this end does not count)."""
+        launches, ends_at = self.peer_launches, self.ends_at_ms
+        lo = bisect_left(launches, now_ms - batch_ms - _SLACK_MS)
+        hi = bisect_right(launches, ends_at - batch_ms + _SLACK_MS)
+        return [t for t in launches[lo:hi] if now_ms < t + batch_ms < ends_at]
 
     def reopens_at(self, now_ms: float, buffered: int, batch_ms: float) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""
