@@ -299,7 +299,8 @@ def plan(inputs: Inputs) -> dict[str, Any]:
         )
         config = sim_config(inputs, counts, models, regions=inputs.regions)
         config.region_loss_at_s = loss_at
-        result = simulate_split(config, workload, inputs.processes or None)
+        processes = used_processes(config, inputs.processes or None)
+        result = simulate_split(config, workload, processes)
         summary = result.summary(inputs.network_ms)
         num_requests, mean_batch = len(workload), result.mean_batch()
         per_tier = result.by_tier(inputs.network_ms)
@@ -321,13 +322,16 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             model_shares=[shares[n] for n in models],
             seed=inputs.seed,
         )
-        result = simulate_split(sim_config(inputs, counts, models), workload, inputs.processes or None)
+        config = sim_config(inputs, counts, models)
+        processes = used_processes(config, inputs.processes or None)
+        result = simulate_split(config, workload, processes)
         summary = result.summary(inputs.network_ms)
         num_requests, mean_batch = len(workload), result.mean_batch()
         per_tier = result.by_tier(inputs.network_ms)
         per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
         scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
     else:  # each model's queue apart, as a cell; the overall figures are the worst model's
+        processes = 1  # the cells run one after the other
         results = {
             n: run_group(inputs, n, c, region_rps * shares[n], inputs.sim_seconds)
             for n, c in zip(models, counts, strict=True)
@@ -342,10 +346,6 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
         )
     wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
-    processes = 1  # the cells run one after the other
-    if inputs.scope == "fleet" or all(c <= inputs.cell for c in counts):
-        regions = inputs.regions if inputs.scope == "fleet" else 1
-        processes = used_processes(sim_config(inputs, counts, models, regions=regions), inputs.processes or None)
     out["replicas_min"] = out["arithmetic"]["replicas_min"]
     out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
     out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]

@@ -39,7 +39,6 @@ class _Shared:
     state: np.ndarray  # uint8, shared
     start_ms: np.ndarray  # float64, shared
     end_ms: np.ndarray  # float64, shared
-    region_loss_ms: float | None
 
 
 _shared: _Shared | None = None
@@ -94,7 +93,8 @@ def _run_group(group: int, resend: list[tuple[float, int]]) -> dict[str, Any]:
     if len(idx) == 0:
         return {"group": group, "stats": {}, "batch_sizes": np.zeros(0, dtype=np.int32), "handed_off": []}
     num_models = len(shared.config.models)
-    lost = shared.region_loss_ms if group // num_models == 0 else None
+    loss_at_s = shared.config.region_loss_at_s
+    lost = loss_at_s * 1000.0 if loss_at_s is not None and group // num_models == 0 else None
     run = Simulation(
         _group_config(shared.config, group),
         _subset(shared.workload, idx),
@@ -140,7 +140,6 @@ def simulate_split(config: SimConfig, workload: Workload, processes: int | None 
         _shared_array(n, np.uint8),
         _shared_array(n, np.float64),
         _shared_array(n, np.float64),
-        loss_ms,
     )
     groups = list(range(config.regions * num_models))
     first = groups[:num_models] if loss_ms is not None else []
