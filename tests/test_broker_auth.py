@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 import redis
 
 from control import protocol as p
+from control.credentials import credentials_path, read_operator_url
 from control.ops import Operator, OperatorError
 from control.settings import Settings
 from tests.conftest import MODEL, Deployment, deployment, until
@@ -206,3 +208,32 @@ def test_the_broker_refuses_writes_when_full_and_the_gateway_answers_503(fleet: 
     assert "full" in refused.json()["error"]["message"]
     assert refused.headers["Retry-After"]
     assert fleet.post().status_code == 200
+
+
+def test_keybatch_up_logs_no_secret_and_leaves_the_operator_a_private_url() -> None:
+    from tests.test_supervisor import keybatch_up
+
+    with keybatch_up("--workers", "1", "--models", MODEL) as up:
+        path = credentials_path(Settings().secrets_dir, up.port)
+        url = read_operator_url(path)
+        assert url is not None and urlsplit(url).username == "operator"
+        assert up.post() == 200
+        fleet = subprocess.run(
+            [sys.executable, "-m", "control", "fleet", "--json", "--port", str(up.port)],
+            env={k: v for k, v in os.environ.items() if k != "KEYBATCH_REDIS_URL"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert fleet.returncode == 0, fleet.stderr
+        assert len(json.loads(fleet.stdout)["replicas"]) == 1
+        children = [c for c in up.children() if c.pid != up.broker().pid]
+        secrets = [urlsplit(url).password or "", *(urlsplit(child_url(c.pid)).password or "" for c in children)]
+        assert len(set(secrets)) == 3  # operator, gateway, replica
+        assert all(len(s) > 20 for s in secrets)
+        log = up.log()
+        assert str(path) in log
+        for secret in secrets:
+            assert secret not in log
+            assert all(secret not in " ".join(c.cmdline()) for c in up.children())
+    assert not path.exists()
