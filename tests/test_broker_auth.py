@@ -25,12 +25,13 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 import redis
+import requests
 
 from control import protocol as p
 from control.credentials import credentials_path, read_operator_url
 from control.ops import Operator, OperatorError
 from control.settings import Settings
-from tests.conftest import MODEL, Deployment, deployment, until
+from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
 
 NOBODY = ("--reuid=nobody", "--regid=nogroup", "--clear-groups")
 
@@ -166,6 +167,8 @@ def test_the_data_path_cannot_monitor_configure_nor_drain(fleet: Deployment) -> 
 
 
 def test_the_operator_drains_and_the_serving_path_still_works(fleet: Deployment) -> None:
+    admin = redis.Redis.from_url(fleet.system.redis_url)
+    admin.acl_log_reset()  # from here on, every role's refusal is logged: there must be none
     name = replica_name(fleet)
     op = operator(fleet, fleet.system.redis_url)
     assert op.drain(name, force=True, wait_s=5).state == "drained"
@@ -173,6 +176,16 @@ def test_the_operator_drains_and_the_serving_path_still_works(fleet: Deployment)
     assert until(lambda: fleet.post().status_code == 200, 5)
     streamed = fleet.post({"model": MODEL, "prompt": "def f():", "stream": True})
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
+    retried = fleet.post(**{"X-Request-Id": "auth-1"}), fleet.post(**{"X-Request-Id": "auth-1"})
+    assert [r.status_code for r in retried] == [200, 200]
+    cancel = requests.delete(
+        f"{fleet.url}/v1/completions/nothing-here", headers={"Authorization": f"Bearer {FREE_KEY}"}
+    )
+    assert cancel.status_code in (404, 409)
+    for path in ("/readyz", "/metrics", "/v1/models"):  # what they read of the broker, not who may ask
+        assert requests.get(f"{fleet.url}{path}", timeout=5).status_code < 500
+    assert op.snapshot().replicas and op.live()
+    assert admin.acl_log() == []
 
 
 def test_no_secret_on_a_command_line_and_the_operators_file_is_private(fleet: Deployment) -> None:
