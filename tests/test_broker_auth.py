@@ -28,7 +28,6 @@ import redis
 import requests
 
 from control import protocol as p
-from control.credentials import credentials_path, read_operator_url
 from control.ops import Operator, OperatorError
 from control.settings import Settings
 from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
@@ -224,6 +223,7 @@ def test_the_broker_refuses_writes_when_full_and_the_gateway_answers_503(fleet: 
 
 
 def test_keybatch_up_logs_no_secret_and_leaves_the_operator_a_private_url() -> None:
+    from control.credentials import credentials_path, read_operator_url
     from tests.test_supervisor import keybatch_up
 
     with keybatch_up("--workers", "1", "--models", MODEL) as up:
