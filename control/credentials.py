@@ -110,12 +110,3 @@ def read_operator_url(path: Path) -> str | None:
     url = data.get("redis_url") if isinstance(data, dict) else None
     return url if isinstance(url, str) else None
 
-
-def redact(url: str) -> str:
-    """`url` with its password replaced, for logs and messages."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hosts = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    user = userinfo.partition(":")[0]
-    return f"{scheme}://{user}:***@{hosts}"

@@ -250,3 +250,16 @@ def test_keybatch_up_logs_no_secret_and_leaves_the_operator_a_private_url() -> N
             assert secret not in log
             assert all(secret not in " ".join(c.cmdline()) for c in up.children())
     assert not path.exists()
+
+
+def test_a_broker_url_with_credentials_given_to_up_serves_and_operates() -> None:
+    """A production-style `redis://user:pass@host` (here the operator's user of a broker of
+    its own): every process uses it as given."""
+    from control.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as broker, deployment(workers=1, REDIS_URL=broker.url) as d:
+        assert d.system.broker is None and d.system.credentials_file is None
+        assert d.post().status_code == 200
+        name = replica_name(d)
+        assert operator(d, broker.url).drain(name, force=True, wait_s=5).state == "drained"
+        assert operator(d, broker.url).resume(name).state == "serving"
