@@ -109,4 +109,3 @@ def read_operator_url(path: Path) -> str | None:
         return None
     url = data.get("redis_url") if isinstance(data, dict) else None
     return url if isinstance(url, str) else None
-
