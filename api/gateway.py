@@ -50,7 +50,11 @@ CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4
 # Returns {status, paid waiting, free waiting, extra}: 1 admitted; 2 answered before
 # (extra: the stored answer); 3 in flight, joined (extra: its attempt); -1 too deep.
 ADMIT_LUA = (
-    failover.LUA_LIB
+    # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
+    # script (OOM, answered 503). Unflagged, only its first write is checked, and that
+    # one (ZREMRANGEBYSCORE) is allowed at the limit, so the rest would write past it.
+    "#!lua\n"
+    + failover.LUA_LIB
     + """
 if ARGV[9] ~= '' then
   local done = redis.call('GET', ARGV[9])
@@ -365,6 +369,9 @@ class Gateway:
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
         try:
             status, paid, free, extra = self._admit(keys, args)
+        except redis.exceptions.OutOfMemoryError as exc:
+            self.health.ok()  # it answered: full (its memory limit), not down
+            raise ApiError(503, "the broker is full; retry shortly", "broker_unavailable", retry_after_s=1) from exc
         except redis.RedisError as exc:
             self.health.failed(exc)
             raise _broker_down(exc) from exc

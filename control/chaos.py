@@ -29,6 +29,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
@@ -36,6 +37,7 @@ import redis
 import uvloop
 
 from control import protocol as p
+from control.credentials import credentials_path, read_operator_url
 from control.loadgen import LoadSpec, Record, percentile, run_spec
 from control.memory import collector_paused
 from control.settings import Settings
@@ -182,7 +184,13 @@ class Deployment:
         return sorted((proc for proc in gateways if _ppid(proc) in pids), key=lambda proc: proc.pid)
 
     def redis_url(self) -> str | None:
-        """The broker URL `up` gave its children (it is not known before they start)."""
+        """The operator's broker URL that `up` left for the tools; else (a broker `up` was
+        given) the one it gave its children. Neither is known before they start."""
+        secrets_dir = self.env.get("KEYBATCH_SECRETS_DIR")
+        where = Path(secrets_dir).expanduser() if secrets_dir else Settings().secrets_dir
+        url = read_operator_url(credentials_path(where, self.port))
+        if url is not None:
+            return url
         for proc in self.descendants():
             try:
                 url = proc.environ().get("KEYBATCH_REDIS_URL")

@@ -107,13 +107,17 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--slo-ms", type=float, default=600.0, help="the end-to-end p99 the fleet promises")
     dash.add_argument("--screenshot", default=None, help="write an SVG of the screen here when it quits")
     dash.add_argument("--exit-after", type=float, default=None, help="quit after this many seconds")
+    dash.add_argument("--port", type=int, default=None, help="the deployment whose gateway serves on this port")
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
+    flower.add_argument("--port", type=int, default=None, help="the deployment whose gateway serves on this port")
     flower.add_argument(
         "--address", default="127.0.0.1", help="where to listen; anything but loopback needs --basic-auth"
     )
     flower.add_argument(
-        "--basic-auth", default=None, help="user:password (or set FLOWER_BASIC_AUTH); required off loopback"
+        "--basic-auth",
+        default=None,
+        help="user:password (or set FLOWER_BASIC_AUTH); required off loopback; on loopback one is generated",
     )
     return top
 
@@ -125,6 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "port", None) is not None:
         settings = settings.model_copy(update={"port": args.port})
     return COMMANDS[args.command](settings, args)
+
+
+def operator_settings(settings: Settings) -> Settings:
+    """The settings an operator's tool acts with: the configured broker URL, else the
+    operator's credentials that `keybatch up` (serving on PORT) left in SECRETS_DIR."""
+    if settings.redis_url is not None or settings.broker_url is not None:
+        return settings
+    from control.credentials import credentials_path, read_operator_url
+
+    path = credentials_path(settings.secrets_dir, settings.port)
+    url = read_operator_url(path)
+    if url is None:
+        raise SystemExit(
+            f"keybatch: no broker: set KEYBATCH_REDIS_URL, or run this as the user who ran `keybatch up` "
+            f"(it leaves the operator's credentials in {path}; KEYBATCH_PORT picks the deployment)"
+        )
+    return settings.model_copy(update={"redis_url": url})
 
 
 def _up(settings: Settings, args: argparse.Namespace) -> int:
@@ -246,7 +267,7 @@ def _dash(settings: Settings, args: argparse.Namespace) -> int:
     from control.ops import Operator
     from tui.dash import run_dash
 
-    run_dash(Operator(settings), args.poll_s, args.slo_ms, args.screenshot, args.exit_after)
+    run_dash(Operator(operator_settings(settings)), args.poll_s, args.slo_ms, args.screenshot, args.exit_after)
     return 0
 
 
@@ -267,11 +288,25 @@ def _flower(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    argv = ["flower", f"--port={args.flower_port}", f"--address={args.address}"]
-    if auth:
-        argv.append(f"--basic-auth={auth}")
+    settings = operator_settings(settings)  # Flower's inspect commands are remote control
+    if not auth:  # loopback is every local user's: a generated password, kept privately
+        auth = _flower_credential(settings, args.flower_port)
+    argv = ["flower", f"--port={args.flower_port}", f"--address={args.address}", f"--basic-auth={auth}"]
     make_celery(settings).start(argv)
     return 0
+
+
+def _flower_credential(settings: Settings, port: int) -> str:
+    """A fresh `keybatch:PASSWORD`, written to a file only this user can read."""
+    import secrets
+
+    from control.credentials import write_private
+
+    auth = f"keybatch:{secrets.token_urlsafe(24)}"
+    path = settings.secrets_dir / f"flower-{port}.auth"
+    write_private(path, auth + "\n")
+    print(f"keybatch flower: basic auth user:password in {path}", file=sys.stderr, flush=True)
+    return auth
 
 
 def _chaos(settings: Settings, args: argparse.Namespace) -> int:
@@ -289,7 +324,7 @@ def _capacity(settings: Settings, args: argparse.Namespace) -> int:
 def _fleet(settings: Settings, args: argparse.Namespace) -> int:
     from control.fleetcli import run_fleet_command
 
-    return run_fleet_command(settings, args)
+    return run_fleet_command(operator_settings(settings), args)
 
 
 def _model(settings: Settings, args: argparse.Namespace) -> int:

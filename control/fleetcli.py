@@ -14,14 +14,18 @@ from control.ops import ActionResult, FleetSnapshot, Operator, OperatorError
 from control.rebalance import Decision
 from control.settings import Settings
 
+PORT_HELP = "the deployment (`keybatch up`) whose gateway serves on this port: its operator credentials"
+
 
 def add_fleet_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fleet = sub.add_parser("fleet", help="the replicas, their state and load, and the traffic per model")
     fleet.add_argument("--json", action="store_true", help="one JSON object")
+    fleet.add_argument("--port", type=int, default=None, help=PORT_HELP)
     for name, text in (("drain", "stop a replica taking work; it finishes what it holds"), ("resume", "serve again")):
         p = sub.add_parser(name, help=text)
         p.add_argument("replica", help="its name, or the part before '@' when unique")
         p.add_argument("--json", action="store_true")
+        p.add_argument("--port", type=int, default=None, help=PORT_HELP)
         if name == "drain":
             p.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for drained")
             p.add_argument("--force", action="store_true", help="even the last serving replica of its model")
@@ -31,10 +35,12 @@ def add_fleet_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     move.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds until it serves")
     move.add_argument("--force", action="store_true", help="even the last serving replica of its model")
     move.add_argument("--json", action="store_true")
+    move.add_argument("--port", type=int, default=None, help=PORT_HELP)
     reb = sub.add_parser("rebalance", help="share replicas between models by demand (once, or --auto)")
     reb.add_argument("--auto", action="store_true", help="keep rebalancing until Ctrl-C (with hysteresis)")
     reb.add_argument("--every", type=float, default=2.0, metavar="S")
     reb.add_argument("--json", action="store_true")
+    reb.add_argument("--port", type=int, default=None, help=PORT_HELP)
 
 
 def run_fleet_command(settings: Settings, args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ One place shared by the `keybatch` commands and the dashboard. Reading is Redis 
 (`snapshot`: four round trips, cheap enough to poll every second); acting goes through
 Celery's remote control to the replica itself (`kb_drain`, `kb_resume`, `kb_move`,
 defined in tasks/worker.py), which changes its state through control/lifecycle.py.
-The caller needs the broker's credentials, nothing more (docs/decisions/0014).
+The caller needs the broker's operator credentials: the data path's (the gateway's, a
+replica's) may not send remote-control commands (control/credentials.py).
 """
 
 from __future__ import annotations
@@ -157,14 +158,21 @@ class Operator:
 
     def _command(self, replica: ReplicaInfo, command: str, **arguments: Any) -> ActionResult:
         action = command.removeprefix("kb_")
-        replies = self._app().control.broadcast(
-            command,
-            arguments=arguments,
-            destination=[replica.name],
-            reply=True,
-            timeout=REPLY_TIMEOUT_S,
-            limit=1,
-        )
+        from kombu.exceptions import OperationalError
+
+        try:
+            replies = self._app().control.broadcast(
+                command,
+                arguments=arguments,
+                destination=[replica.name],
+                reply=True,
+                timeout=REPLY_TIMEOUT_S,
+                limit=1,
+            )
+        except (redis.exceptions.NoPermissionError, OperationalError) as exc:
+            if "permission" not in str(exc).lower():
+                raise
+            raise OperatorError(f"the broker refused {action} ({exc}): it needs the operator's credentials") from exc
         answer = next((r[replica.name] for r in replies or [] if replica.name in r), None)
         if answer is None:
             # A replica registers as its consumer starts and answers commands a moment later.

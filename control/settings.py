@@ -32,6 +32,13 @@ class Settings(BaseSettings):
         None, description="redis://, rediss://, unix:// or sentinel:// URL of the state server (control/connect.py)"
     )
     broker_url: str | None = Field(None, description="Celery broker URL (defaults to REDIS_URL)")
+    broker_maxmemory_mb: int = Field(
+        1024, ge=16, description="embedded Valkey's memory limit; full, it refuses new work (503), evicts nothing"
+    )
+    secrets_dir: Path = Field(
+        Path("~/.keybatch"),
+        description="private folder where `keybatch up` leaves the operator's broker credentials for the tools",
+    )
 
     # Gateway.
     host: str = "127.0.0.1"
@@ -41,7 +48,6 @@ class Settings(BaseSettings):
     api_threads: int = Field(256, ge=1, description="threads per process (gthread only)")
     api_keys: dict[str, Tier] = Field(default_factory=dict, description="API key -> tier")
     allow_anonymous: bool = True
-    admin_token: str | None = None
     max_prompt_chars: int = Field(32_768, ge=1)
     max_tokens_limit: int = Field(256, ge=1)
     header_timeout_s: float = Field(10.0, gt=0, description="a request line and header block arrive within this (408)")
@@ -122,6 +128,11 @@ class Settings(BaseSettings):
         if url is not None:
             check_url(url)
         return url
+
+    @field_validator("secrets_dir")
+    @classmethod
+    def _expand_home(cls, path: Path) -> Path:
+        return path.expanduser()
 
     @field_validator("peers")
     @classmethod

@@ -20,9 +20,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Literal
 
 from control.broker import EmbeddedBroker, child_of
+from control.credentials import Role, credentials_path, write_operator_url
 from control.settings import Settings
 
 RESTART_FIRST_S = 0.5
@@ -122,15 +124,26 @@ class System:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
         self.children: list[Child] = []
+        # The operator's URL (the supervisor's own calls, tests, tools); the children get
+        # their role's (`child_url`).
         self.redis_url = settings.redis_url
+        self.credentials_file: Path | None = None  # where the operator's URL is left for the tools
         self.url = f"http://{settings.host}:{plan.port}"
         # Children log to stderr; stdout carries only `keybatch ready: URL`.
         self.out = subprocess.DEVNULL if plan.quiet else sys.stderr
 
-    def env(self) -> dict[str, str]:
-        env = dict(os.environ)
+    def child_url(self, role: Role) -> str:
+        """The broker URL a child of `role` gets: an embedded broker's user for that role
+        (a data-path child cannot act as the operator), else the configured URL."""
+        if self.broker is not None:
+            return self.broker.url_for(role)
         assert self.redis_url is not None
-        env["KEYBATCH_REDIS_URL"] = self.redis_url
+        return self.redis_url
+
+    def env(self, role: Role) -> dict[str, str]:
+        # In the environment (readable by this user alone), never on a command line (ps).
+        env = dict(os.environ)
+        env["KEYBATCH_REDIS_URL"] = self.child_url(role)
         env["KEYBATCH_PORT"] = str(self.plan.port)
         served = {m: self.settings.models[m] for m in self.plan.models}
         env["KEYBATCH_MODELS"] = json.dumps(served)
@@ -139,9 +152,10 @@ class System:
 
     def start(self, timeout_s: float = 60.0) -> None:
         if self.redis_url is None:
-            self.broker = EmbeddedBroker(out=self.out)
+            self.broker = EmbeddedBroker(out=self.out, maxmemory_mb=self.settings.broker_maxmemory_mb)
             self.redis_url = self.broker.start()
             self.children.append(Child("broker", "embedded Valkey", started_at=time.monotonic()))
+            self._leave_credentials()
         host = socket.gethostname()
         # Replicas of two regions on one host (tests, demos) must not share names.
         region = "" if self.settings.region == "local" else f".{self.settings.region}"
@@ -168,7 +182,7 @@ class System:
             self.broker.start()
         elif child.kind == "replica":
             restarted = child.index < len(self.workers)
-            proc = _spawn(self._replica_cmd(child), self.env(), self.out, RESTART_NICE if restarted else 0)
+            proc = _spawn(self._replica_cmd(child), self.env("replica"), self.out, RESTART_NICE if restarted else 0)
             child.renice_at = time.monotonic() + RENICE_AFTER_S if restarted else None
             if child.index < len(self.workers):
                 self.workers[child.index] = proc
@@ -176,7 +190,7 @@ class System:
                 self.workers.append(proc)
         else:
             cmd = [sys.executable, "-m", "control", "api", "--port", str(self.plan.port)]
-            self.gateway = _spawn(cmd, self.env(), self.out)
+            self.gateway = _spawn(cmd, self.env("gateway"), self.out)
         child.started_at = time.monotonic()
         child.restart_at = None
 
@@ -217,7 +231,20 @@ class System:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        if self.credentials_file is not None:
+            self.credentials_file.unlink(missing_ok=True)
+            self.credentials_file = None
         return killed
+
+    def _leave_credentials(self) -> None:
+        """The operator's URL in a file only this user can read, for `keybatch fleet`,
+        `drain`, `dash`, `flower` (they look for it by the gateway's port)."""
+        assert self.broker is not None
+        path = credentials_path(self.settings.secrets_dir, self.plan.port)
+        write_operator_url(path, self.broker.url)
+        self.credentials_file = path
+        if not self.plan.quiet:
+            _log(f"embedded Valkey on {self.broker.address}; the operator's credentials are in {path}")
 
     def wait(self) -> int:
         """Serve in the foreground, restarting what dies, until Ctrl-C or SIGTERM; then stop everything."""

@@ -106,7 +106,7 @@ class Scripts:
 
     def __init__(self, client: RedisCluster) -> None:
         def strict(source: str) -> Script:
-            return client.register_script("#!lua\n" + source)
+            return client.register_script(source if source.startswith("#!lua") else "#!lua\n" + source)
 
         self.admit = strict(ADMIT_LUA)
         self.cancel = strict(CANCEL_LUA)

@@ -1,9 +1,11 @@
-"""Flower on the same broker: requests show as tasks with their replica and runtime; off
-loopback it will not start without credentials."""
+"""Flower on the same broker: requests show as tasks with their replica and runtime; on
+loopback it answers only with a generated password, off loopback it will not start
+without credentials."""
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
+from control.settings import Settings
 from tests.conftest import Deployment, deployment, free_port, until
 
 
@@ -22,19 +25,36 @@ def fleet() -> Iterator[Deployment]:
 
 def test_flower_lists_the_replicas_and_each_request_as_a_task(fleet: Deployment) -> None:
     port = free_port()
-    env = {**os.environ, "KEYBATCH_REDIS_URL": fleet.system.redis_url, "FLOWER_UNAUTHENTICATED_API": "1"}
+    # No broker URL given: Flower acts with the operator's credentials that `up` left for
+    # the deployment on this gateway port, and guards itself with a generated password.
+    env = {k: v for k, v in os.environ.items() if k not in ("KEYBATCH_REDIS_URL", "FLOWER_BASIC_AUTH")}
+    gateway_port = fleet.url.rsplit(":", 1)[1]
     flower = subprocess.Popen(
-        [sys.executable, "-m", "control", "flower", "--flower-port", str(port)],
+        [sys.executable, "-m", "control", "flower", "--flower-port", str(port), "--port", gateway_port],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
+    secret = Settings().secrets_dir / f"flower-{port}.auth"
     try:
+        assert until(secret.exists, 30)
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+        user, _, password = secret.read_text().strip().partition(":")
+
+        def status(auth: tuple[str, str] | None) -> int:
+            try:
+                return requests.get(f"{base}/api/workers", auth=auth, timeout=5).status_code
+            except requests.RequestException:
+                return 0
+
+        assert until(lambda: status(None) != 0, 30)
+        assert status(None) == 401 and status((user, "guess")) == 401
 
         def workers() -> dict:
             try:
-                return requests.get(f"{base}/api/workers", params={"refresh": "true"}, timeout=5).json()
+                params = {"refresh": "true"}
+                return requests.get(f"{base}/api/workers", params=params, auth=(user, password), timeout=5).json()
             except (requests.RequestException, ValueError):
                 return {}
 
@@ -47,7 +67,7 @@ def test_flower_lists_the_replicas_and_each_request_as_a_task(fleet: Deployment)
 
         def tasks() -> dict:
             try:
-                return requests.get(f"{base}/api/tasks", timeout=5).json()
+                return requests.get(f"{base}/api/tasks", auth=(user, password), timeout=5).json()
             except (requests.RequestException, ValueError):
                 return {}
 
@@ -61,6 +81,7 @@ def test_flower_lists_the_replicas_and_each_request_as_a_task(fleet: Deployment)
     finally:
         flower.terminate()
         flower.wait(10)
+        secret.unlink(missing_ok=True)
 
 
 def test_flower_off_loopback_needs_credentials() -> None:

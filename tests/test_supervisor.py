@@ -27,6 +27,7 @@ import requests
 
 from control import protocol as p
 from control.broker import EmbeddedBroker
+from control.credentials import credentials_path, read_operator_url
 from control.settings import Settings
 from control.up import RESTART_MAX_S, Backoff, Plan, System
 from tests.conftest import FREE_KEY, MODEL, PAID_KEY, alive, free_port
@@ -68,8 +69,10 @@ class Up:
         return next(c for c in self.children() if "valkey" in c.name())
 
     def redis(self) -> redis.Redis:
-        ports = [c.laddr.port for c in self.broker().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
-        return redis.Redis(port=ports[0], socket_timeout=2)
+        """The operator's client, by the URL `up` left for the operator's tools."""
+        url = read_operator_url(credentials_path(Settings().secrets_dir, self.port))
+        assert url is not None, "no operator credentials left by `keybatch up`"
+        return redis.Redis.from_url(url, socket_timeout=2)
 
     def log(self) -> str:
         return self.stderr.read_text()
