@@ -122,7 +122,10 @@ def handler_class(limits: RequestLimits) -> type:
 
         def handle_one_request(self) -> Any:
             try:
-                return super().handle_one_request()
+                result = super().handle_one_request()
+                if isinstance(result, tuple):  # pywsgi's own refusal (414): sent as ours are
+                    return self._refuse(result[1])
+                return result
             except gevent.Timeout as timeout:
                 if timeout is self.idle:
                     return None
@@ -276,6 +279,9 @@ def server_class(table: ConnectionTable) -> type:
     return Server
 
 
+REFUSED_READS = 4  # a client that keeps sending to a refused connection does not hold the loop
+
+
 def _shut(sock: Any) -> None:
     """End a connection given way to another: its handler reads EOF and returns."""
     try:
@@ -292,8 +298,9 @@ def _refuse_at_once(sock: Any, response: bytes) -> None:
     try:
         raw.send(response, socket.MSG_DONTWAIT)
         raw.shutdown(socket.SHUT_WR)
-        while raw.recv(65_536, socket.MSG_DONTWAIT):
-            pass
+        for _ in range(REFUSED_READS):
+            if not raw.recv(65_536, socket.MSG_DONTWAIT):
+                break
     except OSError:
         pass  # nothing more to read (EAGAIN), or it went away
     finally:

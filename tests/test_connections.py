@@ -259,6 +259,13 @@ def test_a_header_block_over_its_caps_is_answered_431_and_closed(kb: Deployment,
     assert b'"code":"headers_too_large"' in answer
 
 
+def test_a_request_line_too_long_is_answered_414_and_closed(kb: Deployment) -> None:
+    with _connect(kb) as s:
+        s.sendall(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: t\r\n\r\n" + HEALTHZ)
+        answer = _answer(s)
+    assert answer.startswith(b"HTTP/1.1 414 ") and answer.count(b"HTTP/1.1 ") == 1, answer[:200]
+
+
 def test_a_header_block_within_its_caps_is_served(kb: Deployment) -> None:
     fields = b"".join(b"X-%d: %s\r\n" % (i, b"v" * 200) for i in range(60))
     with _connect(kb) as s:
