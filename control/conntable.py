@@ -10,7 +10,11 @@ and tells it when a connection starts or ends a request. docs/decisions/0017.
 - When the pool is full, a new connection takes the slot of the connection that
   has waited longest with no request in progress (before its first byte, in its
   header block, or kept alive between requests): it is shed, the new one stays.
-  With none waiting (every slot serves a request) the new one is refused.
+- With none waiting (every general slot serves a request), the new connection
+  may wait in the reserve on trial: its first request must be paid, or it is
+  refused (with the general pool still full). Its slot is a free one of the
+  reserve, else that of the longest waiting on trial, else that of the longest
+  waiting paid one. With every reserve slot serving a request, refused.
 - One address holds at most `per_address` connections of the process (unless it
   is exempt, a front proxy); beyond, the same rule within that address's own.
 """
@@ -20,13 +24,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
+
+Pool = Literal["general", "reserve", "trial"]  # trial: reserve slots held by connections not yet known paid
 
 
 @dataclass(eq=False)
 class Conn:
     address: str
     shed: Callable[[], None] = field(repr=False)  # closes it; called at most once
-    paid: bool = False  # in the paid reserve
+    pool: Pool = "general"
     waiting: bool = True  # no request in progress
     open: bool = True
 
@@ -37,9 +44,9 @@ class ConnectionTable:
         self.reserve = reserve
         self.per_address = per_address  # 0: no cap
         self.exempt = exempt
-        self.used = {False: 0, True: 0}  # slots taken: general (False), reserve (True)
-        # Waiting connections, longest waiting first (dicts keep insertion order).
-        self._waiting: dict[bool, OrderedDict[Conn, None]] = {False: OrderedDict(), True: OrderedDict()}
+        self.used: dict[Pool, int] = {"general": 0, "reserve": 0, "trial": 0}
+        # Waiting connections of each pool, longest waiting first (dicts keep insertion order).
+        self._waiting: dict[Pool, OrderedDict[Conn, None]] = {p: OrderedDict() for p in self.used}
         self._by_address: dict[str, OrderedDict[Conn, None]] = {}  # all of an address's, waiting ones in order
         self.shed_count = 0
         self.refused_count = 0
@@ -54,58 +61,82 @@ class ConnectionTable:
                     self.refused_count += 1
                     return None
                 self._shed(victim)
-        if self.used[False] >= self.general:
-            victim = next(iter(self._waiting[False]), None)
-            if victim is None:
-                self.refused_count += 1
-                return None
-            self._shed(victim)
-        conn = Conn(address, shed)
-        self.used[False] += 1
-        self._waiting[False][conn] = None
+        pool = self._room_for_new()
+        if pool is None:
+            self.refused_count += 1
+            return None
+        conn = Conn(address, shed, pool)
+        self.used[pool] += 1
+        self._waiting[pool][conn] = None
         self._by_address.setdefault(address, OrderedDict())[conn] = None
         return conn
 
-    def busy(self, conn: Conn, paid: bool) -> None:
-        """A request of `conn` has its header block in; `paid`: its key is paid."""
+    def busy(self, conn: Conn, paid: bool) -> bool:
+        """A request of `conn` has its header block in; `paid`: its key is paid.
+        False: the connection is on trial, its request is not paid and there is still
+        no general slot: refuse the request."""
         if not conn.open:
-            return
-        self._waiting[conn.paid].pop(conn, None)
+            return True
+        self._waiting[conn.pool].pop(conn, None)
         conn.waiting = False
-        if paid and not conn.paid and self._reserve_room():
-            self.used[False] -= 1
-            self.used[True] += 1
-            conn.paid = True
+        if conn.pool == "trial":
+            if paid:
+                self._move(conn, "reserve")
+            elif self.used["general"] < self.general:
+                self._move(conn, "general")
+            else:
+                return False
+        elif paid and conn.pool == "general" and self._reserve_free():
+            self._move(conn, "reserve")
+        return True
 
     def waiting(self, conn: Conn) -> None:
         """`conn` finished a request and waits for the next: it now waited least."""
         if not conn.open:
             return
         conn.waiting = True
-        self._waiting[conn.paid][conn] = None
-        own = self._by_address[conn.address]
-        own.move_to_end(conn)
+        self._waiting[conn.pool][conn] = None
+        self._by_address[conn.address].move_to_end(conn)
 
     def release(self, conn: Conn) -> None:
         """`conn` closed (idempotent: a shed connection was released when shed)."""
         if not conn.open:
             return
         conn.open = False
-        self.used[conn.paid] -= 1
-        self._waiting[conn.paid].pop(conn, None)
+        self.used[conn.pool] -= 1
+        self._waiting[conn.pool].pop(conn, None)
         own = self._by_address[conn.address]
         del own[conn]
         if not own:
             del self._by_address[conn.address]
 
+    def _room_for_new(self) -> Pool | None:
+        if self.used["general"] < self.general:
+            return "general"
+        if (victim := next(iter(self._waiting["general"]), None)) is not None:
+            self._shed(victim)
+            return "general"
+        return "trial" if self._reserve_room() else None
+
+    def _reserve_free(self) -> bool:
+        return self.used["reserve"] + self.used["trial"] < self.reserve
+
     def _reserve_room(self) -> bool:
-        if self.used[True] < self.reserve:
+        """A reserve slot for a connection on trial: free, or made free by shedding
+        the longest waiting on trial, else the longest waiting paid one."""
+        if self._reserve_free():
             return True
-        victim = next(iter(self._waiting[True]), None)
-        if victim is None:
-            return False
-        self._shed(victim)
-        return True
+        for pool in ("trial", "reserve"):
+            victim = next(iter(self._waiting[pool]), None)
+            if victim is not None:
+                self._shed(victim)
+                return True
+        return False
+
+    def _move(self, conn: Conn, pool: Pool) -> None:
+        self.used[conn.pool] -= 1
+        self.used[pool] += 1
+        conn.pool = pool
 
     def _shed(self, conn: Conn) -> None:
         self.release(conn)

@@ -73,6 +73,10 @@ class HeaderBlockTooLarge(ValueError):
     pass
 
 
+class AllTaken(Exception):
+    pass
+
+
 class SendTimedOut(OSError):
     """A write that did not complete in time: taken as a client gone (EPIPE)."""
 
@@ -134,6 +138,8 @@ def handler_class(limits: RequestLimits) -> type:
                 raise
             except BodyTooLarge:
                 return self._refuse(too_large)
+            except AllTaken:
+                return self._refuse(ALL_TAKEN)
             except (BadFraming, _InvalidClientInput) as exc:
                 return self._handle_client_error(exc)
             except OSError:
@@ -198,7 +204,8 @@ def handler_class(limits: RequestLimits) -> type:
         def get_environ(self) -> Any:
             self._end_deadline()  # the header block is in
             if self.conn is not None and self.table is not None:
-                self.table.busy(self.conn, limits.is_paid(self.headers.get("Authorization")))
+                if not self.table.busy(self.conn, limits.is_paid(self.headers.get("Authorization"))):
+                    raise AllTaken  # on trial for a paid request, and it is not
             environ = super().get_environ()
             chunked = self.wsgi_input.chunked_input
             if "HTTP_TRANSFER_ENCODING" in environ and not chunked:
@@ -252,16 +259,12 @@ def server_class(table: ConnectionTable) -> type:
     has no slot for is answered 503 at once and closed, not left in the backlog."""
     from gunicorn.workers.ggevent import PyWSGIServer
 
-    busy = _error_response(
-        "503 Service Unavailable", "too_many_connections", "the server holds all the connections it can", retry_s=1
-    )
-
     class Server(PyWSGIServer):
         def do_handle(self, sock: Any, address: Any) -> None:
             host = address[0] if isinstance(address, tuple) else str(address)
             conn = table.admit(host, lambda: _shut(sock))
             if conn is None:
-                _refuse_at_once(sock, busy)
+                _refuse_at_once(sock, ALL_TAKEN)
                 return
             super().do_handle(sock, address, conn)
 
@@ -314,6 +317,11 @@ def _error_response(status: str, code: str, message: str, retry_s: int | None = 
     if retry_s is not None:
         head += f"Retry-After: {retry_s}\r\n"
     return head.encode() + b"Connection: close\r\n\r\n" + body
+
+
+ALL_TAKEN = _error_response(
+    "503 Service Unavailable", "too_many_connections", "the server holds all the connections it can", retry_s=1
+)
 
 
 def _worker_class(settings: Settings) -> type:

@@ -189,10 +189,16 @@ def _connections_held(kb: Deployment) -> list[int]:
 
 def test_each_gateway_process_holds_at_most_max_connections_and_a_new_one_is_served(kb_tight: Deployment) -> None:
     flood = [_connect(kb_tight) for _ in range(2 * MAX_CONNECTIONS + 20)]  # idle: they send nothing
-    deadline = time.monotonic() + 5
-    while sum(held := _connections_held(kb_tight)) < 2 * MAX_CONNECTIONS - 10 and time.monotonic() < deadline:
+    seen = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        seen.append(held := _connections_held(kb_tight))
+        if max(held) == MAX_CONNECTIONS:
+            break
         time.sleep(0.05)
-    assert max(held) <= MAX_CONNECTIONS and sum(held) >= 2 * MAX_CONNECTIONS - 10, held
+    # Which process accepts is the kernel's choice: a full one keeps accepting (its
+    # longest waiting give way), so one of them may take most of the flood.
+    assert max(map(max, seen)) == MAX_CONNECTIONS, seen
     # One more client is served at once: the connection waiting longest gives way to it
     # (control/conntable.py), rather than the client waiting in the listen backlog.
     late = _connect(kb_tight)

@@ -8,6 +8,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -63,6 +64,12 @@ def _wait_drained(kb: Deployment, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while _held(kb) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _wait_drained_to(kb: Deployment, count: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(_held(kb)) > count and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _wait_held(kb: Deployment, count: int, timeout_s: float = 5.0) -> None:
@@ -142,26 +149,55 @@ def test_a_pool_full_of_idle_connections_gives_way_to_a_paid_request_at_once(kb:
         s.close()
 
 
-def test_when_every_slot_serves_a_request_a_new_connection_is_refused_503_at_once(kb: Deployment) -> None:
+def _refused_503(answer: bytes) -> bool:
+    return (
+        answer.startswith(b"HTTP/1.1 503 ")
+        and b"Retry-After: 1\r\n" in answer
+        and b'"code":"too_many_connections"' in answer
+    )
+
+
+def test_when_every_general_slot_serves_a_request_paid_traffic_keeps_its_share(kb: Deployment) -> None:
     # Paid kept-alive connections: in the reserve, outside the general pool.
-    paid = [_connect(kb) for _ in range(RESERVE)]
+    paid = [_connect(kb) for _ in range(RESERVE - 2)]
     for s in paid:
         s.sendall(_completion(PAID_KEY, close=False))
     for s in paid:
         assert _read_response(s).startswith(b"HTTP/1.1 200 ")
     busy = [_busy(kb, f"127.0.0.{2 + i % 4}") for i in range(GENERAL)]  # all of the general pool
-    _wait_held(kb, RESERVE + GENERAL)
+    _wait_held(kb, len(paid) + GENERAL)
     started = time.monotonic()
-    with _connect(kb, "127.0.0.9") as late:
+    with _connect(kb, "127.0.0.9") as late:  # a free request on a new connection: refused at once
         late.sendall(_completion())
         answer = _answer(late, timeout_s=3)
     assert time.monotonic() - started < 0.5
-    assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
-    assert b"Retry-After: 1\r\n" in answer and b'"code":"too_many_connections"' in answer
-    for s in paid:  # paid traffic kept its share
+    assert _refused_503(answer), answer[:200]
+    started = time.monotonic()
+    with _connect(kb, "127.0.0.9") as new_paid:  # a paid one is served
+        new_paid.sendall(_completion(PAID_KEY))
+        answer = _answer(new_paid)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert time.monotonic() - started < 1.5
+    for s in paid:  # and the paid connections kept theirs
         s.sendall(_completion(PAID_KEY, close=False))
         assert _read_response(s).startswith(b"HTTP/1.1 200 ")
-    for s in paid + busy:
+    for s in paid:
+        s.close()
+    # Every reserve slot serving a paid request too: a new connection is refused on accept.
+    _wait_drained_to(kb, GENERAL)
+    paid_busy = []
+    for _ in range(RESERVE):  # one at a time: one on trial that has sent nothing gives way to a newer one
+        s = _connect(kb, "127.0.0.10")
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {PAID_KEY}\r\n".encode())
+        s.sendall(b"Content-Length: 100\r\n\r\n{")
+        paid_busy.append(s)
+        _wait_held(kb, GENERAL + len(paid_busy))
+    started = time.monotonic()
+    with _connect(kb, "127.0.0.9") as late:
+        answer = _answer(late, timeout_s=3)  # it sends nothing: the answer comes on accept
+    assert time.monotonic() - started < 0.5
+    assert _refused_503(answer), answer[:200]
+    for s in busy + paid_busy:
         s.close()
 
 
@@ -214,25 +250,38 @@ def test_a_client_that_never_reads_its_answers_is_closed_at_the_send_timeout(kb:
     sock.close()
 
 
-def test_the_table_sheds_waiting_connections_oldest_first_and_keeps_the_reserve() -> None:
+def test_the_table_sheds_the_longest_waiting_and_keeps_the_reserve_for_paid_requests() -> None:
     from control.conntable import ConnectionTable
 
-    shed: list[int] = []
-    table = ConnectionTable(general=2, reserve=1, per_address=0)
-    a = table.admit("x", lambda: shed.append(1))
-    b = table.admit("x", lambda: shed.append(2))
-    assert a is not None and b is not None
+    shed: list[str] = []
+    table = ConnectionTable(general=2, reserve=2)
+
+    def admit(name: str) -> Any:
+        conn = table.admit(name, lambda: shed.append(name))
+        assert conn is not None, name
+        return conn
+
+    a, b = admit("a"), admit("b")
     table.busy(a, paid=True)  # into the reserve: a general slot frees
-    c = table.admit("y", lambda: shed.append(3))
-    assert c is not None and shed == []
+    c = admit("c")
+    assert shed == [] and (a.pool, c.pool) == ("reserve", "general")
     table.busy(b, paid=False)
     table.busy(c, paid=False)
-    assert table.admit("z", lambda: None) is None  # nothing waits: refused
+    d = admit("d")  # no general slot waits: on trial in the reserve
+    assert d.pool == "trial" and table.busy(d, paid=False) is False  # not paid: refused
+    table.release(d)
+    e = admit("e")
+    assert table.busy(e, paid=True) and e.pool == "reserve"
+    assert table.admit("f", lambda: None) is None  # every slot serves a request
     table.waiting(c)
-    d = table.admit("z", lambda: shed.append(4))
-    assert d is not None and shed == [3]
+    g = admit("g")  # the longest waiting gives way
+    assert shed == ["c"]
+    table.busy(g, paid=False)
     table.release(c)  # released when shed already: nothing counted twice
-    assert table.used == {False: 2, True: 1}
+    table.waiting(a)
+    h = admit("h")  # on trial, in the slot of the waiting paid one
+    assert h.pool == "trial" and shed == ["c", "a"]
+    assert table.used == {"general": 2, "reserve": 1, "trial": 1}
 
 
 # -- the header block -----------------------------------------------------------------
