@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import resource
 import secrets
 import select
 import signal
@@ -52,6 +53,10 @@ CLIENT_SLACK_S = 5.0  # a client waits its deadline plus this, then counts the r
 HANGUP_SHARE, HANGUP_MS = 0.2, 100.0
 SLOWLORIS_CONNECTIONS = 300
 SLOWLORIS_BYTE_EVERY_S = 1.0
+IDLE_CONNECTIONS = 2100
+IDLE_ADDRESSES = 10  # 127.0.0.2 onwards (Linux routes 127/8 to lo): no one address's cap holds them back
+IDLE_REOPEN_S = 0.1  # an idle connection the server closed is opened again after this
+PROBE_EVERY_S, PROBE_BUDGET_MS = 0.25, 1000.0  # idle-connections: a paid request on a new connection
 WINDOW_S = 1.0  # recovery is judged on windows of this length after the fault
 P99_SLACK = 1.10  # ...whose p99 is within 10% of the pre-fault p99
 FAST_503_MS = 100.0
@@ -394,6 +399,7 @@ class Run:
     rng: random.Random
     injections: list[Injection] = field(default_factory=list)
     slowloris: dict[str, object] | None = None
+    idle: dict[str, object] | None = None
 
     @property
     def target(self) -> Deployment:
@@ -532,6 +538,14 @@ async def _slowloris(run: Run) -> Injection:
     return injection
 
 
+async def _idle_connections(run: Run) -> Injection:
+    what = f"{IDLE_CONNECTIONS} connections from {IDLE_ADDRESSES} addresses send nothing, reopened when closed"
+    injection = Injection(run.now_s(), what)
+    run.idle = await _hold_idle(run, IDLE_CONNECTIONS, run.spec.duration_s)
+    injection.ended_s = run.now_s()
+    return injection
+
+
 async def _overload_spike(run: Run) -> Injection:
     # The load itself does it (LoadSpec.spike_*); this marks its start and end.
     injection = Injection(run.now_s(), f"arrivals at {run.spec.spike:.1f}x capacity for {run.spec.spike_s:.0f} s")
@@ -554,6 +568,7 @@ FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "client-hangup": _client_hangup,
     "region-loss": _region_loss,
     "slowloris": _slowloris,
+    "idle-connections": _idle_connections,
     "overload-spike": _overload_spike,
 }
 REPEATABLE = {"replica-kill", "replica-hang", "broker-stall", "broker-loss", "gateway-kill"}
@@ -639,6 +654,106 @@ async def _dribble_one(run: Run, host: str, port: int, until_s: float) -> _Dribb
     return conn
 
 
+# -- idle connections ------------------------------------------------------------------
+
+
+async def _hold_idle(run: Run, count: int, until_s: float) -> dict[str, object]:
+    """`count` connections that send nothing, each opened again when the server closes it."""
+    seen: Counter[str] = Counter()
+    held_s: list[float] = []
+    open_now = [0]
+    samples: list[int] = []
+
+    async def one(k: int) -> None:
+        source = f"127.0.0.{2 + k % IDLE_ADDRESSES}"
+        while run.now_s() < until_s:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", run.target.port, local_addr=(source, 0))
+            except OSError as exc:
+                seen[f"connect failed: {type(exc).__name__}"] += 1
+                await asyncio.sleep(IDLE_REOPEN_S)
+                continue
+            opened_s = run.now_s()
+            open_now[0] += 1
+            try:
+                data = await asyncio.wait_for(reader.read(256), max(0.0, until_s - opened_s))
+                seen[data.split(b"\r\n", 1)[0].decode("latin-1") or "closed without an answer"] += 1
+                held_s.append(run.now_s() - opened_s)
+            except TimeoutError:
+                seen["open at the end"] += 1
+            except OSError:
+                seen["reset"] += 1
+            finally:
+                open_now[0] -= 1
+                writer.close()
+            await asyncio.sleep(IDLE_REOPEN_S)
+
+    async def sample() -> None:
+        while run.now_s() < until_s:
+            samples.append(open_now[0])
+            await asyncio.sleep(0.5)
+
+    probes: list[tuple[str, float]] = []
+
+    async def probe() -> None:
+        await asyncio.sleep(1.0)  # the idle connections open first
+        while run.now_s() < until_s - 1.0:
+            probes.append(await _paid_probe(run.target.port))
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    await asyncio.gather(sample(), probe(), *(one(k) for k in range(count)))
+    settled = samples[len(samples) // 4 :] or [0]  # after the first opens
+    ms = [t for _status, t in probes]
+    return {
+        "connections": count,
+        "addresses": IDLE_ADDRESSES,
+        "outcomes": dict(seen.most_common()),
+        "held_p50_s": percentile(held_s, 50) if held_s else None,
+        "open_at_once_min": min(settled),
+        "open_at_once_median": sorted(settled)[len(settled) // 2],
+        "paid_new_connection": {
+            "sent": len(probes),
+            "budget_ms": PROBE_BUDGET_MS,
+            "statuses": dict(Counter(status for status, _t in probes)),
+            "p50_ms": percentile(ms, 50) if ms else None,
+            "p99_ms": percentile(ms, 99) if ms else None,
+            "max_ms": max(ms, default=None),
+            "over_budget": sum(status != "200" or t > PROBE_BUDGET_MS for status, t in probes),
+        },
+    }
+
+
+async def _paid_probe(port: int) -> tuple[str, float]:
+    """One paid request on a new connection: its status and time to its answer (ms)."""
+    body = json.dumps({"model": MODEL, "prompt": "def probe():\n    ", "max_tokens": 4}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: chaos\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {PAID_KEY}\r\nX-Deadline-Ms: {PROBE_BUDGET_MS:.0f}\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    started = time.perf_counter()
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head.encode() + body)
+        line = await asyncio.wait_for(reader.readline(), PROBE_BUDGET_MS / 1000 + CLIENT_SLACK_S)
+        status = line.split(b" ", 2)[1].decode("latin-1") if line.count(b" ") >= 2 else "closed"
+    except (TimeoutError, OSError) as exc:
+        status = type(exc).__name__
+    finally:
+        if writer is not None:
+            writer.close()
+    return status, (time.perf_counter() - started) * 1000
+
+
+def _raise_fd_limit() -> None:
+    """Room for the idle connections' sockets in this process and in the deployment it starts."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * IDLE_CONNECTIONS + 4096
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -648,6 +763,7 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    _raise_fd_limit()
     deployments = _plan(spec)
     capacity = spec.replicas * settings.max_batch * 1000.0 / settings.batch_ms
     try:
@@ -801,6 +917,9 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
     # Wasted results (a copy run for a request answered already, or for a client that was
     # answered 503 or hung up) cost model time but reach no client: reported, not failed.
     failed = _verdict(len(lost), crossed)
+    probes = run.idle["paid_new_connection"] if run.idle else None
+    if isinstance(probes, dict) and probes["over_budget"]:
+        failed.append(f"{probes['over_budget']} paid requests on new connections not answered 200 within budget")
     s503 = [r.latency_ms for r in records if r.status == 503]
     recovered = [i.recover_s for i in injections]
     return {
@@ -825,6 +944,7 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
             f"over_{FAST_503_MS:.0f}ms": sum(ms > FAST_503_MS for ms in s503),
         },
         "slowloris": run.slowloris,
+        "idle_connections": run.idle,
         "timeline": _timeline(records, spec.duration_s),
         "failed": failed,
         "ok": not failed,
@@ -895,6 +1015,18 @@ def _print(report: dict) -> None:
     table.add_row("503s: count, p99", f"{s503['count']}; {_ms(s503['p99_ms'])}", f"<= {FAST_503_MS:.0f} ms")
     if report["slowloris"]:
         table.add_row("slowloris", _counts(report["slowloris"]), "")
+    if report.get("idle_connections"):
+        idle = report["idle_connections"]
+        shown = {k: v for k, v in idle.items() if k not in ("outcomes", "paid_new_connection")}
+        table.add_row("idle connections", _counts(shown), "")
+        table.add_row("  closed by the server", _counts(idle["outcomes"]), "")
+        probes = idle["paid_new_connection"]
+        table.add_row(
+            "  paid, each on a new connection",
+            f"{probes['sent']}; {_counts(probes['statuses'])}; p50 {_ms(probes['p50_ms'])}, "
+            f"p99 {_ms(probes['p99_ms'])}, max {_ms(probes['max_ms'])}",
+            f"200 within {probes['budget_ms']:.0f} ms",
+        )
     for d in report["deployments"]:
         left = ", ".join(d["left_running"]) or "nothing"
         table.add_row(f"stop ({d['name']})", f"exit {d['exit_code']} in {d['stop_s']:.1f} s; left running: {left}", "")

@@ -153,6 +153,7 @@ CHAOS_SCENARIOS = {  # control/chaos.py has one fault for each
     "client-hangup": "20% of clients close their connection 100 ms after sending",
     "region-loss": "two deployments, A with peer B; SIGKILL A's broker and replicas",
     "slowloris": "hundreds of connections dribble header bytes during the load",
+    "idle-connections": "2,100 connections from 10 loopback addresses send nothing during the load",
     "overload-spike": "arrivals jump to --spike x capacity for --spike-s seconds",
 }
 

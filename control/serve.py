@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -14,7 +16,8 @@ import orjson
 from gunicorn.app.base import BaseApplication
 
 from control.broker import pid_alive
-from control.headers import read_headers
+from control.conntable import Conn, ConnectionTable
+from control.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, read_headers
 from control.memory import freeze_startup_objects
 from control.redis_internals import unpatched_pool_checks
 from control.settings import Settings
@@ -30,10 +33,32 @@ class RequestLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_body_bytes: int
+    first_byte_timeout_s: float = KEEPALIVE_S
+    send_timeout_s: float = 10.0
+    max_header_bytes: int = 32_768
+    max_header_fields: int = 100
+    paid_keys: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, settings: Settings) -> RequestLimits:
-        return cls(settings.header_timeout_s, settings.body_timeout_s, settings.max_body_bytes)
+        paid = frozenset(key for key, tier in settings.api_keys.items() if tier == "paid")
+        return cls(
+            settings.header_timeout_s,
+            settings.body_timeout_s,
+            settings.max_body_bytes,
+            settings.first_byte_timeout_s,
+            settings.send_timeout_s,
+            settings.max_header_bytes,
+            settings.max_header_fields,
+            paid,
+        )
+
+    def is_paid(self, authorization: str | None) -> bool:
+        """The key decides the tier, as the app reads it (api/completions.py: caller)."""
+        if not authorization or not self.paid_keys:
+            return False
+        scheme, _, key = authorization.partition(" ")
+        return scheme.lower() == "bearer" and key.strip() in self.paid_keys
 
 
 class BodyTooLarge(Exception):
@@ -44,8 +69,24 @@ class BadFraming(ValueError):
     pass
 
 
+class HeaderBlockTooLarge(ValueError):
+    pass
+
+
+class AllTaken(Exception):
+    pass
+
+
+class SendTimedOut(OSError):
+    """A write that did not complete in time: taken as a client gone (EPIPE)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EPIPE, "the client did not read the answer in time")
+
+
 def handler_class(limits: RequestLimits) -> type:
-    """pywsgi's handler with deadlines for a request's arrival (docs/decisions/0010).
+    """pywsgi's handler with deadlines for a request's arrival (docs/decisions/0010)
+    and strict framing and header limits (docs/decisions/0017).
 
     From a request's first byte its line and header block must arrive within
     `header_timeout_s`, then its body within `body_timeout_s`: whole deadlines,
@@ -53,6 +94,9 @@ def handler_class(limits: RequestLimits) -> type:
     closed. The body is read here, before the app runs, up to `max_body_bytes`
     (413 beyond, chunked or not): the app gets it whole, and an app waiting on
     its completion leaves nothing unread on the socket (api/disconnect.py).
+    A new connection sends its first byte within `first_byte_timeout_s`; each
+    write of an answer completes within `send_timeout_s`. A request refused here
+    (400, 408, 413, 431, 501) is answered and its connection closed.
     """
     import gevent
     from gevent.pywsgi import _InvalidClientInput
@@ -62,15 +106,30 @@ def handler_class(limits: RequestLimits) -> type:
     too_large = _error_response(
         "413 Content Too Large", "request_too_large", f"the request body exceeds {limits.max_body_bytes} bytes"
     )
+    headers_too_large = _error_response(
+        "431 Request Header Fields Too Large",
+        "headers_too_large",
+        f"the header block exceeds {limits.max_header_bytes} bytes or {limits.max_header_fields} fields",
+    )
+    framing = {
+        400: lambda message: _error_response("400 Bad Request", "bad_request", message),
+        501: lambda message: _error_response("501 Not Implemented", "not_implemented", message),
+    }
 
     class Handler(PyWSGIHandler):
-        idle: gevent.Timeout | None = None  # keep-alive: waiting for a request's first byte
+        idle: gevent.Timeout | None = None  # waiting for a request's first byte
         deadline: gevent.Timeout | None = None  # the request's header block's, then its body's
         buffered_body = -1  # bytes of the body in memory with its header block (-1: unknown)
+        conn: Conn | None = None  # its slot in the server's table (ConnectionTable)
+        table: ConnectionTable | None = None
+        served = 0  # requests read on this connection
 
         def handle_one_request(self) -> Any:
             try:
-                return super().handle_one_request()
+                result = super().handle_one_request()
+                if isinstance(result, tuple):  # pywsgi's own refusal (414): sent as ours are
+                    return self._refuse(result[1])
+                return result
             except gevent.Timeout as timeout:
                 if timeout is self.idle:
                     return None
@@ -79,12 +138,21 @@ def handler_class(limits: RequestLimits) -> type:
                 raise
             except BodyTooLarge:
                 return self._refuse(too_large)
+            except AllTaken:
+                return self._refuse(ALL_TAKEN)
             except (BadFraming, _InvalidClientInput) as exc:
                 return self._handle_client_error(exc)
             except OSError:
                 return None  # the client went away while sending: nobody to answer
             finally:
                 self._end_deadline()
+
+        def _handle_client_error(self, ex: BaseException) -> None:
+            if isinstance(ex, HeaderBlockTooLarge):
+                return self._refuse(headers_too_large)
+            if isinstance(ex, FramingError):
+                return self._refuse(framing[ex.status](str(ex)))
+            return self._refuse(framing[400]("the request is not valid HTTP/1.1"))
 
         def _refuse(self, response: bytes) -> None:
             """Answer, then close so that the client reads the answer: a socket closed
@@ -102,10 +170,14 @@ def handler_class(limits: RequestLimits) -> type:
 
         def read_requestline(self) -> Any:
             # A stopping worker waits for its open connections: an idle one
-            # closes after KEEPALIVE_S, as gunicorn's own worker does it.
+            # closes after KEEPALIVE_S, as gunicorn's own worker does it; a new
+            # one sends its first byte sooner (an idle one holds a slot).
             # (A new timer each time: a libev timer stopped and started again
             # resumes its remaining time, it does not start over.)
-            self.idle = gevent.Timeout(KEEPALIVE_S)
+            if self.served and self.conn is not None and self.table is not None:
+                self.table.waiting(self.conn)
+            self.served += 1
+            self.idle = gevent.Timeout(limits.first_byte_timeout_s if self.served == 1 else KEEPALIVE_S)
             self.idle.start()
             try:
                 buffered = self.rfile.peek(1)  # all that is in memory; b"" at EOF
@@ -122,10 +194,18 @@ def handler_class(limits: RequestLimits) -> type:
             return super().read_requestline()
 
         def MessageClass(self, fp: Any, *_args: Any) -> Any:  # noqa: N802 (pywsgi's name)
-            return read_headers(fp)
+            message = read_headers(fp, limits.max_header_bytes, limits.max_header_fields)
+            if message.status in (TOO_LONG, TOO_MANY):
+                raise HeaderBlockTooLarge(message.status)
+            if not message.status:
+                check_framing(message, self.request_version)
+            return message
 
         def get_environ(self) -> Any:
             self._end_deadline()  # the header block is in
+            if self.conn is not None and self.table is not None:
+                if not self.table.busy(self.conn, limits.is_paid(self.headers.get("Authorization"))):
+                    raise AllTaken  # on trial for a paid request, and it is not
             environ = super().get_environ()
             chunked = self.wsgi_input.chunked_input
             if "HTTP_TRANSFER_ENCODING" in environ and not chunked:
@@ -149,6 +229,16 @@ def handler_class(limits: RequestLimits) -> type:
             environ["CONTENT_LENGTH"] = str(len(body))
             environ.pop("HTTP_TRANSFER_ENCODING", None)  # the app sees a plain body
 
+        def _sendall(self, data: bytes) -> None:
+            # A client that does not read (pipelining requests it never reads the
+            # answers of) would hold the connection and what is queued for it.
+            timer = gevent.Timeout(limits.send_timeout_s, SendTimedOut)
+            timer.start()
+            try:
+                super()._sendall(data)
+            finally:
+                timer.close()
+
         def _start_deadline(self, seconds: float) -> None:
             self.deadline = gevent.Timeout(seconds)
             self.deadline.start()
@@ -164,11 +254,74 @@ def handler_class(limits: RequestLimits) -> type:
     return Handler
 
 
-def _error_response(status: str, code: str, message: str) -> bytes:
+def server_class(table: ConnectionTable) -> type:
+    """pywsgi's server, accepting through `table` (docs/decisions/0017): a connection it
+    has no slot for is answered 503 at once and closed, not left in the backlog."""
+    from gunicorn.workers.ggevent import PyWSGIServer
+
+    class Server(PyWSGIServer):
+        def do_handle(self, sock: Any, address: Any) -> None:
+            host = address[0] if isinstance(address, tuple) else str(address)
+            conn = table.admit(host, lambda: _shut(sock))
+            if conn is None:
+                _refuse_at_once(sock, ALL_TAKEN)
+                return
+            super().do_handle(sock, address, conn)
+
+        def do_close(self, sock: Any, *_args: Any) -> None:
+            sock.close()
+
+        def handle(self, sock: Any, address: Any, conn: Conn) -> None:
+            handler = self.handler_class(sock, address, self)
+            handler.conn, handler.table = conn, table
+            try:
+                handler.handle()
+            finally:
+                table.release(conn)
+
+    return Server
+
+
+REFUSED_READS = 4  # a client that keeps sending to a refused connection does not hold the loop
+
+
+def _shut(sock: Any) -> None:
+    """End a connection given way to another: its handler reads EOF and returns."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _refuse_at_once(sock: Any, response: bytes) -> None:
+    """Answer and close without blocking (in the accept loop, not a greenlet of its
+    own): a new connection has room for a small answer in its send buffer; what the
+    client sent already is dropped first, so that the close is not a reset."""
+    raw = getattr(sock, "_sock", sock)
+    try:
+        raw.send(response, socket.MSG_DONTWAIT)
+        raw.shutdown(socket.SHUT_WR)
+        for _ in range(REFUSED_READS):
+            if not raw.recv(65_536, socket.MSG_DONTWAIT):
+                break
+    except OSError:
+        pass  # nothing more to read (EAGAIN), or it went away
+    finally:
+        sock.close()
+
+
+def _error_response(status: str, code: str, message: str, retry_s: int | None = None) -> bytes:
     """A whole answer, OpenAI-shaped, for a request refused before the app saw it."""
     body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
     head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    if retry_s is not None:
+        head += f"Retry-After: {retry_s}\r\n"
     return head.encode() + b"Connection: close\r\n\r\n" + body
+
+
+ALL_TAKEN = _error_response(
+    "503 Service Unavailable", "too_many_connections", "the server holds all the connections it can", retry_s=1
+)
 
 
 def _worker_class(settings: Settings) -> type:
@@ -180,12 +333,44 @@ def _worker_class(settings: Settings) -> type:
         """gunicorn's process management; gevent's own WSGI server for the requests.
 
         pywsgi writes status, headers and body in one send and parses a request
-        for less CPU than gunicorn's parser (docs/decisions/0003).
+        for less CPU than gunicorn's parser (docs/decisions/0003). Each process
+        keeps its own table of connections (made after the fork).
         """
 
         wsgi_handler = handler
 
+        def run(self) -> None:
+            self.server_class = server_class(connection_table(settings))
+            super().run()
+
     return Worker
+
+
+def connection_table(settings: Settings) -> ConnectionTable:
+    return ConnectionTable(
+        settings.max_connections,
+        settings.paid_reserve_connections,
+        settings.max_connections_per_address,
+        frozenset(settings.connection_cap_exempt),
+    )
+
+
+# Beyond the table's slots, room in gevent's pool for connections that were given way
+# to and have not yet returned: when the pool is full, the process stops accepting.
+SHED_HEADROOM = 64
+FDS_PER_PROCESS = 256  # the broker's pool, the listener, logs, the metric files
+
+
+def pool_size(settings: Settings) -> int:
+    return settings.max_connections + settings.paid_reserve_connections + SHED_HEADROOM
+
+
+def raise_fd_limit(settings: Settings) -> None:
+    """The soft limit on open files up to what the pool needs, within the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = pool_size(settings) + FDS_PER_PROCESS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -203,9 +388,9 @@ class GatewayServer(BaseApplication):
             "workers": s.api_processes,
             "worker_class": _worker_class(s) if s.api_worker_class == "gevent" else "gthread",
             "threads": s.api_threads if s.api_worker_class == "gthread" else 1,
-            # Per process; beyond it the process stops accepting and new connections
-            # wait in the listen backlog (docs/decisions/0010).
-            "worker_connections": s.max_connections,
+            # Per process: gevent's pool; the server's table decides who holds a
+            # slot and refuses the rest at once (docs/decisions/0017).
+            "worker_connections": pool_size(s),
             "backlog": 4096,
             # An idle keep-alive connection holds a stopping worker until it times
             # out, so keep it short; in-flight requests end by their deadlines.
@@ -270,6 +455,7 @@ def serve(settings: Settings) -> None:
         remove_orphan_metric_dirs(tempfile.gettempdir())
         own_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         os.environ[MULTIPROC_ENV] = own_dir
+    raise_fd_limit(settings)
     try:
         GatewayServer(settings).run()
     finally:

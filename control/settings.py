@@ -52,7 +52,22 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(256, ge=1)
     header_timeout_s: float = Field(10.0, gt=0, description="a request line and header block arrive within this (408)")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body arrives within this of its headers (408)")
-    max_connections: int = Field(1000, ge=1, description="open connections per gateway process; more wait unaccepted")
+    max_connections: int = Field(
+        1000, ge=1, description="connections per gateway process before a request is known paid (docs/decisions/0017)"
+    )
+    paid_reserve_connections: int = Field(
+        100, ge=0, description="more connections per gateway process, for those whose request is paid"
+    )
+    max_connections_per_address: int = Field(
+        500, ge=0, description="connections one client address holds per gateway process (0: no cap)"
+    )
+    connection_cap_exempt: list[str] = Field(
+        default_factory=list, description="addresses the per-address cap does not apply to (a front proxy; JSON list)"
+    )
+    first_byte_timeout_s: float = Field(3.0, gt=0, description="a new connection sends its first byte within this")
+    send_timeout_s: float = Field(10.0, gt=0, description="each write of an answer completes within this (then closed)")
+    max_header_bytes: int = Field(32_768, ge=1024, description="a request's header block, in all (431 beyond)")
+    max_header_fields: int = Field(100, ge=1, description="fields in a request's header block (431 beyond)")
 
     # Models and replicas.
     models: dict[str, str] = Field(

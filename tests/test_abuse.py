@@ -24,6 +24,7 @@ from tests.conftest import Deployment, deployment
 MAX_CONNECTIONS = 40  # per gateway process
 MAX_PROMPT_CHARS = 1000  # a body limit of 1000 * 6 + 65,536 bytes (Settings.max_body_bytes)
 MAX_BODY = MAX_PROMPT_CHARS * 6 + 65_536
+FIRST_BYTE_S = 3.0  # a new connection's first byte; then the keep-alive limit (5 s) between requests
 DRIBBLE_S = 0.25  # a byte this often: well inside any per-read timeout
 BODY = b'{"model": "kb-small", "prompt": "x = 1"}'
 
@@ -33,6 +34,7 @@ def kb_tight() -> Iterator[Deployment]:
     with deployment(
         header_timeout_s="1",
         body_timeout_s="1",
+        first_byte_timeout_s=str(FIRST_BYTE_S),
         max_connections=str(MAX_CONNECTIONS),
         max_prompt_chars=str(MAX_PROMPT_CHARS),
     ) as d:
@@ -99,7 +101,7 @@ def _assert_cut_at_the_deadline(results: list[Dribbled], deadline_s: float) -> N
 
 
 def test_slowloris_headers_are_cut_at_the_header_deadline_while_others_are_served(kb_tight: Deployment) -> None:
-    idle = _connect(kb_tight)  # sends nothing: the keep-alive limit (5 s), not the header deadline, closes it
+    idle = _connect(kb_tight)  # sends nothing: the first-byte deadline, not the header deadline, closes it
     idle_since = time.monotonic()
     slow = [_connect(kb_tight) for _ in range(30)]
     for s in slow:
@@ -113,7 +115,7 @@ def test_slowloris_headers_are_cut_at_the_header_deadline_while_others_are_serve
     with pytest.raises(BlockingIOError):
         idle.recv(1)  # still open past the header deadline
     assert _answer(idle) == b""  # then closed, without an answer
-    assert 4.5 <= time.monotonic() - idle_since <= 8
+    assert FIRST_BYTE_S - 0.5 <= time.monotonic() - idle_since <= FIRST_BYTE_S + 3
     for s in [idle, *slow]:
         s.close()
 
@@ -185,23 +187,28 @@ def _connections_held(kb: Deployment) -> list[int]:
     ]
 
 
-def test_each_gateway_process_holds_at_most_max_connections(kb_tight: Deployment) -> None:
+def test_each_gateway_process_holds_at_most_max_connections_and_a_new_one_is_served(kb_tight: Deployment) -> None:
     flood = [_connect(kb_tight) for _ in range(2 * MAX_CONNECTIONS + 20)]  # idle: they send nothing
-    deadline = time.monotonic() + 5
-    while (held := _connections_held(kb_tight)) != [MAX_CONNECTIONS] * 2 and time.monotonic() < deadline:
+    seen = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        seen.append(held := _connections_held(kb_tight))
+        if max(held) == MAX_CONNECTIONS:
+            break
         time.sleep(0.05)
-    assert held == [MAX_CONNECTIONS] * 2
-    # One more client connects (the kernel's backlog takes it) but is not served until
-    # a connection closes.
+    # Which process accepts is the kernel's choice: a full one keeps accepting (its
+    # longest waiting give way), so one of them may take most of the flood.
+    assert max(map(max, seen)) == MAX_CONNECTIONS, seen
+    # One more client is served at once: the connection waiting longest gives way to it
+    # (control/conntable.py), rather than the client waiting in the listen backlog.
     late = _connect(kb_tight)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
     late.sendall(head % len(BODY) + BODY)
-    assert select.select([late], [], [], 1.0)[0] == []
-    assert _connections_held(kb_tight) == [MAX_CONNECTIONS] * 2
+    assert _answer(late, timeout_s=1.5).startswith(b"HTTP/1.1 200 ")
+    assert max(_connections_held(kb_tight)) <= MAX_CONNECTIONS
+    late.close()
     for s in flood:
         s.close()
-    assert _answer(late).startswith(b"HTTP/1.1 200 ")
-    late.close()
 
 
 # -- noticing hang-ups -------------------------------------------------------------

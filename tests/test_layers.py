@@ -76,6 +76,7 @@ POLICY = [
     "control.sim",
     "control.capacity",
     "control.simsplit",
+    "control.conntable",
 ]
 NOT_IN_POLICY = ["redis", "celery", "kombu", "flask", "gevent", "torch", "transformers"]
 

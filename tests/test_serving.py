@@ -152,20 +152,18 @@ def test_the_header_block_is_read_strictly(kb: Deployment) -> None:
     start = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % len(body)
     status, answer = _raw(kb, start + b"Content-Type: application/json\r\nX-Request-Id: raw-1\r\n\r\n", body)
     assert status == 200 and b"raw-1" in answer
-    # A folded line continues the field before it (joined with a space).
-    status, _ = _raw(kb, start + b"Authorization: Bearer\r\n " + FREE_KEY.encode() + b"\r\n\r\n", body)
-    assert status == 200
     bad_lines = (
         b"No colon here\r\n",
         b"Name : space before the colon\r\n",
         b"X-Bare: carriage\rreturn\r\n",
-        b"X: " + b"a" * 70_000 + b"\r\n",
+        b"Authorization: Bearer\r\n " + FREE_KEY.encode() + b"\r\n",  # obsolete folding (RFC 9112 5.2)
     )
     for bad in bad_lines:
         status, _ = _raw(kb, start + bad + b"\r\n", body)
         assert status == 400, bad[:40]
+    assert _raw(kb, start + b"X: " + b"a" * 70_000 + b"\r\n\r\n", body)[0] == 431
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(101))
-    assert _raw(kb, start + many + b"\r\n", body)[0] == 400
+    assert _raw(kb, start + many + b"\r\n", body)[0] == 431
 
 
 def test_a_header_cannot_raise_the_tier(kb: Deployment) -> None:
