@@ -11,6 +11,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import requests
@@ -21,16 +22,17 @@ from tests.test_serving import _queued_behind_busy_replicas
 BODY = {"model": MODEL, "prompt": "def join(a, b):\n    ", "max_tokens": 8}
 
 
-@pytest.fixture(scope="module")
-def other_gateway(kb: Deployment) -> Iterator[str]:
-    """A second gateway deployment (one process) on the same broker: with the fixture's two
-    processes, copies sent to both URLs reach three gateway processes."""
+@contextmanager
+def gateway_process(kb: Deployment, **env: str) -> Iterator[str]:
+    """One more gateway (one process) on the deployment's broker, with these KEYBATCH_
+    settings; yields its URL once it is ready."""
     port = free_port()
-    env = {**os.environ, "KEYBATCH_REDIS_URL": kb.system.redis_url or "", "KEYBATCH_API_PROCESSES": "1"}
-    env["KEYBATCH_MODELS"] = json.dumps({MODEL: MODEL})
+    environ = {**os.environ, "KEYBATCH_REDIS_URL": kb.system.redis_url or "", "KEYBATCH_API_PROCESSES": "1"}
+    environ["KEYBATCH_MODELS"] = json.dumps({MODEL: MODEL})
+    environ.update({f"KEYBATCH_{k.upper()}": v for k, v in env.items()})
     proc = subprocess.Popen(
         [sys.executable, "-m", "control", "api", "--port", str(port)],
-        env=env,
+        env=environ,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -41,6 +43,14 @@ def other_gateway(kb: Deployment) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def other_gateway(kb: Deployment) -> Iterator[str]:
+    """A second gateway on the same broker: with the fixture's two processes, copies sent
+    to both URLs reach three gateway processes."""
+    with gateway_process(kb) as url:
+        yield url
 
 
 def _ready(url: str) -> bool:
