@@ -49,8 +49,8 @@ def readyz() -> Response:
     missing = sorted(m for m, n in counts.items() if n == 0)
     detail = shows_deployment(gw.settings)
     if missing or not gw.is_serving():
-        why = "shutting down" if not gw.is_serving() else f"no replica for {', '.join(missing)}"
-        why = why if detail else "not every model has a replica"
+        models = ", ".join(missing) if detail else "a model"
+        why = "shutting down" if not gw.is_serving() else f"no replica for {models}"
         raise ApiError(503, f"not ready: {why}", "not_ready", retry_after_s=1)
     # No process id, host or replica name here: an open endpoint tells a caller no more than
     # what it needs to route (docs/decisions/0014); with anonymous access off, not even the
