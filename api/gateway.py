@@ -244,7 +244,8 @@ class Gateway:
         self.waiters: dict[str, list[Waiter]] = {}  # by attempt
         self.health = BrokerHealth()
         self._early: dict[str, tuple[Item, float]] = {}  # answers kept for joins not yet registered
-        self._joining = 0  # admissions with a client's id between their script call and registration
+        # Admissions with a client's id between their script call and their registration, by key.
+        self._joining: dict[str, int] = {}
         self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
         # Set by the server: False once this process was told to stop (it then
@@ -374,7 +375,8 @@ class Gateway:
         now = self.clock.now_ms()
         arrival = traffic.arrival_field(job.model, job.tier)
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
-        self._joins(+1 if fingerprint else 0)
+        if fingerprint:
+            self._joins(job.key, +1)
         try:
             try:
                 status, paid, free, extra = self._admit(keys, args)
@@ -392,7 +394,8 @@ class Gateway:
                 self._register(waiter)
                 return Verdict.ADMIT, 0
         finally:
-            self._joins(-1 if fingerprint else 0)
+            if fingerprint:
+                self._joins(job.key, -1)
         if status == 4:
             raise _reused(waiter.request_id)
         self._depth[job.model] = (paid, free, now)
@@ -472,8 +475,8 @@ class Gateway:
 
     def _give_up(self, waiter: Waiter, reason: str) -> None:
         """Drop the request where it waits (unless another connection joined it)."""
-        with self._lock:
-            joined = len(self.waiters.get(waiter.attempt, [])) > 1
+        with self._lock:  # another connection here waits for it, or is joining it
+            joined = len(self.waiters.get(waiter.attempt, [])) > 1 or waiter.job.key in self._joining
         if joined:
             return
         try:
@@ -615,10 +618,13 @@ class Gateway:
             for waiter in group:
                 waiter.resolve(item)
 
-    def _joins(self, delta: int) -> None:
-        if delta:
-            with self._lock:
-                self._joining += delta
+    def _joins(self, key: str, delta: int) -> None:
+        with self._lock:
+            count = self._joining.get(key, 0) + delta
+            if count:
+                self._joining[key] = count
+            else:
+                del self._joining[key]
 
     def _keep_early(self, item: Item) -> None:
         """An answer may overtake joins of its request that this process has not registered

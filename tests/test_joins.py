@@ -3,8 +3,10 @@ answer (never a 504 while it exists), and an id reused with another body gets 40
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -14,10 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
+import redis
 import requests
 
+from control import protocol as p
 from tests.conftest import FREE_KEY, MODEL, Deployment, free_port, until
-from tests.test_serving import _queued_behind_busy_replicas
+from tests.test_serving import _busy_replicas, _queued_behind_busy_replicas
 
 BODY = {"model": MODEL, "prompt": "def join(a, b):\n    ", "max_tokens": 8}
 
@@ -132,3 +136,43 @@ def test_an_answered_id_reused_with_another_body_is_refused_and_the_same_body_ge
     assert again.status_code == 200, again.text
     assert again.json()["choices"] == first.json()["choices"]
     assert again.json()["keybatch"]["batch_ms"] == first.json()["keybatch"]["batch_ms"]
+
+
+def _owner(kb: Deployment, request_id: str) -> str:
+    value = redis.Redis.from_url(kb.system.redis_url).get(p.owner_key(f"{_tenant(FREE_KEY)}:{request_id}"))
+    return value.decode() if value else ""
+
+
+def _tenant(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def test_a_joined_connection_that_hangs_up_leaves_the_others_their_answer(kb: Deployment, other_gateway: str) -> None:
+    queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "join-hangup"})
+    raw = json.dumps({"model": MODEL, "prompt": "def add(a, b):\n    "}).encode()
+    host, port = other_gateway.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {FREE_KEY}\r\nX-Request-Id: join-hangup\r\n".encode()
+            + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        assert until(lambda: "," in _owner(kb, "join-hangup").partition("|")[0], 5)  # both gateways wait
+    # The retry's gateway stops waiting; the request is not cancelled, the first gateway still waits.
+    assert until(lambda: (o := _owner(kb, "join-hangup")) and "," not in o.partition("|")[0], 2)
+    first = queued.result(5)
+    [f.result() for f in busy]
+    assert first.status_code == 200, first.text
+
+
+def test_a_cancel_reaches_every_joined_connection_at_once(kb: Deployment, other_gateway: str) -> None:
+    busy = _busy_replicas(kb)
+    with ThreadPoolExecutor(4) as pool:
+        waiting = [pool.submit(_post, url, "join-cancel") for url in (kb.url, other_gateway, kb.url, other_gateway)]
+        assert until(lambda: "," in _owner(kb, "join-cancel").partition("|")[0], 5)
+        auth = {"Authorization": f"Bearer {FREE_KEY}"}
+        assert requests.delete(f"{kb.url}/v1/completions/join-cancel", headers=auth, timeout=5).status_code == 200
+        answers = [f.result(5) for f in waiting]
+    [f.result() for f in busy]
+    assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(409, "cancelled")] * 4
