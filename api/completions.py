@@ -9,6 +9,7 @@ import secrets
 import time
 from collections.abc import Iterator
 
+import orjson
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 from pydantic import ValidationError
 
@@ -87,12 +88,16 @@ def _no_constant(name: str) -> object:
 
 
 def _json_body() -> object:
-    """The body as strict JSON (UTF-8, no repeated names, no NaN or Infinity), whatever
-    the Content-Type says. The bytes stay cached for a forward to a peer region."""
+    """The body as strict JSON (UTF-8, no repeated names, no NaN or Infinity, no lone
+    surrogate), whatever the Content-Type says. The bytes stay cached for a forward to a
+    peer region."""
     try:
         text = request.get_data(cache=True).decode("utf-8")
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        body = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+        if "\\u" in text:  # an escape may be a lone surrogate, which orjson refuses to write
+            orjson.dumps(body)
+        return body
+    except (UnicodeDecodeError, ValueError, RecursionError, orjson.JSONEncodeError):
         raise ApiError(400, "the body must be a JSON object", "invalid_json") from None
 
 
