@@ -633,10 +633,11 @@ class Gateway:
         now = time.monotonic()
         self._early.pop(item.id, None)  # to the end: the dict is in the order kept
         self._early[item.id] = (item, now)
-        for attempt, (_, at) in list(self._early.items()):  # oldest first: stop at the first fresh one
-            if now - at < EARLY_KEEP_S:
+        while True:  # oldest first: stop at the first one still fresh (the newest is)
+            oldest = next(iter(self._early))
+            if now - self._early[oldest][1] < EARLY_KEEP_S:
                 break
-            del self._early[attempt]
+            del self._early[oldest]
 
     def readiness(self) -> dict[str, int]:
         """Ready replicas per configured model."""

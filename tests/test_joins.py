@@ -89,6 +89,7 @@ def test_every_copy_of_a_request_in_any_gateway_process_gets_the_one_answer(
     for _ in range(4):
         answers = _copies([kb.url, other_gateway], copies, f"join-{uuid.uuid4().hex[:12]}")
         statuses = [a.status_code for a in answers]
+        print(f"{copies} copies over 3 gateway processes: statuses {sorted(statuses)}")  # pytest -s shows it
         assert statuses == [200] * copies, [a.text for a in answers if a.status_code != 200][:3]
         bodies = [a.json() for a in answers]
         # One run: the same text, from the same batch of the same replica.
@@ -168,11 +169,11 @@ def test_a_joined_connection_that_hangs_up_leaves_the_others_their_answer(kb: De
 
 def test_a_cancel_reaches_every_joined_connection_at_once(kb: Deployment, other_gateway: str) -> None:
     busy = _busy_replicas(kb)
-    with ThreadPoolExecutor(4) as pool:
-        waiting = [pool.submit(_post, url, "join-cancel") for url in (kb.url, other_gateway, kb.url, other_gateway)]
-        assert until(lambda: "," in _owner(kb, "join-cancel").partition("|")[0], 5)
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(_post, url, "join-cancel") for url in (kb.url, other_gateway)]
+        assert until(lambda: "," in _owner(kb, "join-cancel").partition("|")[0], 5)  # both have joined
         auth = {"Authorization": f"Bearer {FREE_KEY}"}
         assert requests.delete(f"{kb.url}/v1/completions/join-cancel", headers=auth, timeout=5).status_code == 200
         answers = [f.result(5) for f in waiting]
     [f.result() for f in busy]
-    assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(409, "cancelled")] * 4
+    assert [(a.status_code, a.json().get("error", {}).get("code")) for a in answers] == [(409, "cancelled")] * 2
