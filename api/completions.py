@@ -9,6 +9,7 @@ import secrets
 import time
 from collections.abc import Iterator
 
+import orjson
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 from pydantic import ValidationError
 
@@ -70,13 +71,46 @@ def _budget_ms(settings: Settings) -> float:
     return budget
 
 
+def _pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object, refused if a name repeats (parsers differ on which one wins)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise ApiError(400, f"the body repeats the field {name!r}", "invalid_json")
+            seen.add(name)
+    return obj
+
+
+def _no_constant(name: str) -> object:
+    raise ApiError(400, f"{name} is not a JSON number", "invalid_json")
+
+
+def _json_body() -> object:
+    """The body as strict JSON (UTF-8, no repeated names, no NaN or Infinity, no lone
+    surrogate), whatever the Content-Type says. The bytes stay cached for a forward to a
+    peer region."""
+    try:
+        text = request.get_data(cache=True).decode("utf-8")
+        body = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+        if "\\u" in text:  # an escape may be a lone surrogate, which orjson refuses to write
+            orjson.dumps(body)
+        return body
+    except (UnicodeDecodeError, ValueError, RecursionError, orjson.JSONEncodeError):
+        raise ApiError(400, "the body must be a JSON object", "invalid_json") from None
+
+
 def _parse_body(settings: Settings) -> CompletionRequest:
-    body = request.get_json(force=True, silent=True)  # whatever the Content-Type says
+    body = _json_body()
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     try:
         req = CompletionRequest.model_validate(body)
     except ValidationError as err:
+        first = err.errors()[0]
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"{first['loc'][0]}: not a field of this endpoint", "invalid_request") from None
         raise ApiError(400, describe(err), "invalid_request") from None
     if req.model not in settings.models:
         raise ApiError(404, f"model {req.model!r} does not exist", "model_not_found")
@@ -91,18 +125,25 @@ def _scoped(tenant: str, request_id: str | None, session_id: str | None) -> tupl
     """(the id echoed to the caller, the request's key, the session's key, keep the answer).
 
     Keys carry the tenant, so no caller reaches another's requests or sessions. All
-    anonymous callers share one tenant, so an id an anonymous caller chose is echoed but
-    not used as a key: its request gets an unguessable key, and an anonymous caller can
-    cancel only by the id the server issued (`cmpl-...`). Anonymous sessions are scoped
-    to the client's address as well as the session id.
+    anonymous callers share one tenant and nothing tells them apart (one address may be
+    many clients), so nothing an anonymous caller chose is used as a key: an id it chose is
+    echoed, its request gets an unguessable key it learns from `X-Cancel-Id`, and its
+    session id supersedes nothing (docs/decisions/0017).
     """
     if tenant != ANONYMOUS:
         issued = request_id or f"cmpl-{secrets.token_hex(16)}"
         session = f"{tenant}:{session_id}" if session_id else None
         return issued, f"{tenant}:{issued}", session, request_id is not None
     issued = f"cmpl-{secrets.token_hex(16)}"
-    session = f"{ANONYMOUS}@{request.remote_addr}:{session_id}" if session_id else None
-    return request_id or issued, f"{ANONYMOUS}:{issued}", session, False
+    return request_id or issued, f"{ANONYMOUS}:{issued}", None, False
+
+
+def _cancel_header(resp: Response, waiter: Waiter) -> None:
+    """What an anonymous caller cancels by: the id the server issued (a keyed caller's is
+    the request's own id)."""
+    tenant, _, issued = waiter.job.key.partition(":")
+    if tenant == ANONYMOUS:
+        resp.headers["X-Cancel-Id"] = issued
 
 
 @bp.post("/v1/completions")
@@ -155,6 +196,7 @@ def create_completion() -> Response:
         raise
     resp = jsonify(body)
     resp.headers["X-Request-Id"] = request_id
+    _cancel_header(resp, waiter)
     return resp
 
 
@@ -237,8 +279,8 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
     the gateway's one reply channel), then a last chunk with the finish reason."""
 
     def events() -> Iterator[str]:
-        # A comment first: the headers (with the request's id, which is how an anonymous
-        # caller learns what it may cancel) go out now, not with the completion.
+        # A comment first: the headers (with X-Cancel-Id, which is how an anonymous caller
+        # learns what it may cancel) go out now, not with the completion.
         try:
             yield ": keybatch\n\n"
         except GeneratorExit:  # the client went before the first write: never waited for
@@ -274,6 +316,7 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
 
     resp = Response(stream_with_context(events()), mimetype="text/event-stream")
     resp.headers["X-Request-Id"] = waiter.request_id
+    _cancel_header(resp, waiter)
     resp.headers["Cache-Control"] = "no-cache"
     return resp
 

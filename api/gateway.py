@@ -8,6 +8,8 @@ and supersedes are routed the same way, to whichever gateway holds the request.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import secrets
@@ -36,7 +38,7 @@ from tasks.messages import TaskMessages
 log = logging.getLogger(__name__)
 
 FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
-EARLY_KEEP_S = 2.0  # an answer for a request this process has not registered yet (a join in flight)
+EARLY_KEEP_S = 2.0  # an answer kept for joins of its request that have not registered yet
 
 OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this much
 
@@ -48,7 +50,8 @@ CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4
 #       done key ('' when the answer is not kept), this gateway, request key, the traffic
 #       field this arrival counts in (control/traffic.py).
 # Returns {status, paid waiting, free waiting, extra}: 1 admitted; 2 answered before
-# (extra: the stored answer); 3 in flight, joined (extra: its attempt); -1 too deep.
+# (extra: the stored answer); 3 in flight, joined (extra: its attempt); 4 the id is in
+# flight or answered with another body (the owner value's fingerprint); -1 too deep.
 ADMIT_LUA = (
     # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
     # script (OOM, answered 503). Unflagged, only its first write is checked, and that
@@ -56,9 +59,14 @@ ADMIT_LUA = (
     "#!lua\n"
     + failover.LUA_LIB
     + """
+local _, _, _, _, fingerprint = owner_parts(ARGV[1])
 if ARGV[9] ~= '' then
   local done = redis.call('GET', ARGV[9])
-  if done then return {2, 0, 0, done} end
+  if done then
+    local stored, answer = done_parts(done)
+    if stored ~= fingerprint then return {4, 0, 0, ''} end
+    return {2, 0, 0, answer}
+  end
 end
 local current = redis.call('GET', KEYS[1])
 if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
@@ -70,11 +78,12 @@ if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
   current = nil
 end
 if current then
-  -- A retry joins the attempt in flight; its answer now comes here.
-  local gateway, waiting, tenant, attempt = owner_parts(current)
-  redis.call('SET', KEYS[1], ARGV[10] .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt, 'KEEPTTL')
-  if gateway ~= ARGV[10] then
-    notify(gateway, cjson.encode({kind = 'cancelled', id = attempt, reason = 'retried'}))
+  -- A retry joins the attempt in flight; its answer comes here too.
+  local gateways, waiting, tenant, attempt, held = owner_parts(current)
+  if held ~= fingerprint then return {4, 0, 0, ''} end
+  if not has_gateway(gateways, ARGV[10]) then
+    local joined = gateways .. ',' .. ARGV[10] .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt .. '|' .. held
+    redis.call('SET', KEYS[1], joined, 'KEEPTTL')
   end
   return {3, 0, 0, attempt}
 end
@@ -238,7 +247,9 @@ class Gateway:
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
         self.waiters: dict[str, list[Waiter]] = {}  # by attempt
         self.health = BrokerHealth()
-        self._early: dict[str, tuple[Item, float]] = {}  # answers that came before their join
+        self._early: dict[str, tuple[Item, float]] = {}  # answers kept for joins not yet registered
+        # Admissions with a client's id between their script call and their registration, by key.
+        self._joining: dict[str, int] = {}
         self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
         # Set by the server: False once this process was told to stop (it then
@@ -328,7 +339,7 @@ class Gateway:
     def _register(self, waiter: Waiter) -> None:
         with self._lock:
             self.waiters.setdefault(waiter.attempt, []).append(waiter)
-            early = self._early.pop(waiter.attempt, None)
+            early = self._early.get(waiter.attempt)  # kept for every join of the attempt, not the first
         if early is not None:
             waiter.resolve(early[0])
 
@@ -362,29 +373,38 @@ class Gateway:
         ttl = int(job.deadline_ms - job.received_ms) + OWNER_SLACK_MS
         message = self._task_message(job)
         tenant = job.key.partition(":")[0]
-        owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}"
+        fingerprint = body_fingerprint(job) if job.keep_ms else ""  # only a client's own id is joined
+        owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}|{fingerprint}"
         done = p.done_key(job.key) if job.keep_ms else ""
         now = self.clock.now_ms()
         arrival = traffic.arrival_field(job.model, job.tier)
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
+        if fingerprint:
+            self._joins(job.key, +1)
         try:
-            status, paid, free, extra = self._admit(keys, args)
-        except redis.exceptions.OutOfMemoryError as exc:
-            self.health.ok()  # it answered: full (its memory limit), not down
-            raise ApiError(503, "the broker is full; retry shortly", "broker_unavailable", retry_after_s=1) from exc
-        except redis.RedisError as exc:
-            self.health.failed(exc)
-            raise _broker_down(exc) from exc
-        self.health.ok()
-        if status == 2:  # answered within the idempotency window: the same answer again
-            waiter.resolve(p.Result.model_validate_json(extra))
-            return Verdict.ADMIT, 0
-        if status == 3:  # joined the attempt in flight
-            self._forget(waiter)
-            waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
-            waiter.attempt = extra.decode()
-            self._register(waiter)
-            return Verdict.ADMIT, 0
+            try:
+                status, paid, free, extra = self._admit(keys, args)
+            except redis.exceptions.OutOfMemoryError as exc:
+                self.health.ok()  # it answered: full (its memory limit), not down
+                raise ApiError(503, "the broker is full; retry shortly", "broker_unavailable", retry_after_s=1) from exc
+            except redis.RedisError as exc:
+                self.health.failed(exc)
+                raise _broker_down(exc) from exc
+            self.health.ok()
+            if status == 2:  # answered within the idempotency window: the same answer again
+                waiter.resolve(p.Result.model_validate_json(extra))
+                return Verdict.ADMIT, 0
+            if status == 3:  # joined the attempt in flight
+                self._forget(waiter)
+                waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
+                waiter.attempt = extra.decode()
+                self._register(waiter)
+                return Verdict.ADMIT, 0
+        finally:
+            if fingerprint:
+                self._joins(job.key, -1)
+        if status == 4:
+            raise _reused(waiter.request_id)
         self._depth[job.model] = (paid, free, now)
         verdict = Verdict.OVERLOADED if status == -1 else Verdict.ADMIT
         if verdict == Verdict.ADMIT:
@@ -462,8 +482,8 @@ class Gateway:
 
     def _give_up(self, waiter: Waiter, reason: str) -> None:
         """Drop the request where it waits (unless another connection joined it)."""
-        with self._lock:
-            joined = len(self.waiters.get(waiter.attempt, [])) > 1
+        with self._lock:  # another connection here waits for it, or is joining it
+            joined = len(self.waiters.get(waiter.attempt, [])) > 1 or waiter.job.key in self._joining
         if joined:
             return
         try:
@@ -600,17 +620,31 @@ class Gateway:
                 self.metrics.cancels.labels(item.reason).inc()
             with self._lock:
                 group = list(self.waiters.get(item.id, ()))
-                if not group:
+                if not group or self._joining:
                     self._keep_early(item)
             for waiter in group:
                 waiter.resolve(item)
 
+    def _joins(self, key: str, delta: int) -> None:
+        with self._lock:
+            count = self._joining.get(key, 0) + delta
+            if count:
+                self._joining[key] = count
+            else:
+                del self._joining[key]
+
     def _keep_early(self, item: Item) -> None:
-        """An answer may overtake the join that moved its request here; keep it briefly."""
+        """An answer may overtake joins of its request that this process has not registered
+        yet (their script call named this process, the registration follows it): each of them
+        finds it here. Called with the lock held."""
         now = time.monotonic()
+        self._early.pop(item.id, None)  # to the end: the dict is in the order kept
         self._early[item.id] = (item, now)
-        if len(self._early) > 64:
-            self._early = {k: v for k, v in self._early.items() if now - v[1] < EARLY_KEEP_S}
+        while True:  # oldest first: stop at the first one still fresh (the newest is)
+            oldest = next(iter(self._early))
+            if now - self._early[oldest][1] < EARLY_KEEP_S:
+                break
+            del self._early[oldest]
 
     def readiness(self) -> dict[str, int]:
         """Ready replicas per configured model."""
@@ -620,6 +654,21 @@ class Gateway:
             if rep.is_ready and rep.model in counts:
                 counts[rep.model] += 1
         return counts
+
+
+def body_fingerprint(job: p.Job) -> str:
+    """What decides the answer, from the request as checked (defaults filled in, a prompt
+    array unwrapped, one stop string as a list): a retry must ask for the same thing."""
+    fields = [job.model, job.prompt, job.suffix, job.max_tokens, job.temperature, job.top_p, job.stop]
+    return hashlib.sha256(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()[:32]
+
+
+def _reused(request_id: str) -> ApiError:
+    return ApiError(
+        409,
+        f"X-Request-Id {request_id} belongs to a request with a different body; use a new id",
+        "request_id_reused",
+    )
 
 
 def _broker_down(exc: BaseException | None) -> ApiError:

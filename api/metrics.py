@@ -7,13 +7,16 @@ to prometheus-client's multiprocess files, and /metrics sums them.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from api.errors import ApiError
 from control.fleet import FleetView
+from control.settings import Settings
 from control.traffic import read_traffic
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 2.0, 5.0)
@@ -210,3 +213,26 @@ class _FleetCollector(Collector):
             value=self.fleet.num_wasted,
         )
         yield from (ready, batches, served, buffered, dropped, wasted)
+
+
+def scrape_allowed(settings: Settings, authorization: str | None) -> bool:
+    """Whether this caller may read operator data (/metrics, the detail of /readyz): with a
+    scrape token set, the token; without one, anyone while anonymous access is on."""
+    if settings.metrics_token is None:
+        return settings.allow_anonymous
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(
+        token.strip().encode(), settings.metrics_token.encode()
+    )
+
+
+def check_scrape(settings: Settings, authorization: str | None) -> None:
+    if scrape_allowed(settings, authorization):
+        return
+    if settings.metrics_token is None:
+        raise ApiError(
+            401,
+            "/metrics needs a scrape token (KEYBATCH_METRICS_TOKEN) when anonymous access is off",
+            "missing_scrape_token",
+        )
+    raise ApiError(401, "a valid scrape token is required (Authorization: Bearer TOKEN)", "invalid_scrape_token")

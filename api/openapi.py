@@ -25,12 +25,17 @@ Schema = dict[str, Any]
 
 @bp.get("/openapi.json")
 def openapi_json() -> Response:
-    """This document, for the settings this gateway runs with."""
-    return jsonify(document(current_app.extensions["keybatch"].settings))
+    """This document, for the settings this gateway runs with. Open, as the interface is
+    public; the configured models only to a caller who may see them (docs/decisions/0017)."""
+    from api.ops import shows_deployment
+
+    settings = current_app.extensions["keybatch"].settings
+    return jsonify(document(settings, models=shows_deployment(settings)))
 
 
-def document(settings: Settings) -> Schema:
-    """The OpenAPI 3.1 document of the gateway's HTTP interface."""
+def document(settings: Settings, models: bool = True) -> Schema:
+    """The OpenAPI 3.1 document of the gateway's HTTP interface (`models`: name the
+    configured models as examples)."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -40,7 +45,7 @@ def document(settings: Settings) -> Schema:
         },
         "servers": [{"url": "/"}],
         "paths": {
-            "/v1/completions": {"post": _create_completion(settings)},
+            "/v1/completions": {"post": _create_completion(settings, models)},
             "/v1/completions/{id}": {"delete": _cancel_completion(settings)},
             "/v1/models": {"get": _list_models(settings)},
             "/healthz": {"get": _healthz()},
@@ -55,8 +60,8 @@ def document(settings: Settings) -> Schema:
 # -- operations ------------------------------------------------------------------
 
 
-def _create_completion(settings: Settings) -> Schema:
-    body = _request_body(settings)
+def _create_completion(settings: Settings, models: bool) -> Schema:
+    body = _request_body(settings, models)
     return {
         "operationId": "createCompletion",
         "summary": "Complete one prompt (JSON, or server-sent events with stream: true)",
@@ -79,7 +84,13 @@ def _create_completion(settings: Settings) -> Schema:
         "responses": {
             "200": {
                 "description": "The completion.",
-                "headers": {"X-Request-Id": {"description": "The request's id.", "schema": {"type": "string"}}},
+                "headers": {
+                    "X-Request-Id": {"description": "The request's id.", "schema": {"type": "string"}},
+                    "X-Cancel-Id": {
+                        "description": "Anonymous callers: the id to cancel this request by.",
+                        "schema": {"type": "string"},
+                    },
+                },
                 "content": {
                     JSON: {"schema": _ref("Completion")},
                     "text/event-stream": {"schema": _ref("Event")},
@@ -89,7 +100,8 @@ def _create_completion(settings: Settings) -> Schema:
             "401": _error("Missing or invalid API key."),
             "404": _error("Unknown model."),
             "409": _error(
-                "Cancelled, superseded by a newer request of the session, or taken over by a retry with the same id."
+                "Cancelled, superseded by a newer request of the session, or its X-Request-Id belongs to a "
+                "request with a different body (request_id_reused)."
             ),
             "413": _error("Prompt and suffix longer than the limit, or a body too large."),
             "422": _error("The engine could not run this prompt (the rest of its batch was answered)."),
@@ -152,7 +164,11 @@ def _metrics() -> Schema:
     return {
         "operationId": "metrics",
         "summary": "Prometheus metrics (text exposition format)",
-        "responses": {"200": {"description": "The metrics.", "content": text}},
+        "description": "Needs the scrape token (bearer) when one is set, or when anonymous access is off.",
+        "responses": {
+            "200": {"description": "The metrics.", "content": text},
+            "401": _error("Missing or invalid scrape token."),
+        },
     }
 
 
@@ -167,11 +183,12 @@ def _openapi() -> Schema:
 # -- pieces ----------------------------------------------------------------------
 
 
-def _request_body(settings: Settings) -> Schema:
+def _request_body(settings: Settings, models: bool) -> Schema:
     """CompletionRequest's own schema, with the limits and names the settings decide."""
     body = CompletionRequest.model_json_schema()
     props = body["properties"]
-    props["model"]["examples"] = sorted(settings.models)
+    if models:
+        props["model"]["examples"] = sorted(settings.models)
     max_tokens = next(alt for alt in props["max_tokens"]["anyOf"] if alt.get("type") == "integer")
     max_tokens["maximum"] = settings.max_tokens_limit
     for name in ("prompt", "suffix"):
@@ -272,12 +289,15 @@ def _schemas() -> dict[str, Schema]:
             }
         ),
         "Health": _object({"status": {"const": "ok"}}),
-        "Ready": _object(
-            {
+        "Ready": {
+            "type": "object",
+            "properties": {
                 "status": {"const": "ready"},
                 "replicas": {"type": "object", "additionalProperties": integer},
-            }
-        ),
+            },
+            "required": ["status"],
+            "description": "`replicas` (ready replicas per model) only to a caller who may see the models.",
+        },
     }
 
 

@@ -17,11 +17,13 @@ Every piece is one Lua script, so each step is atomic on the broker:
   kills replicas must not kill them all). The held hash goes in the same step, so two sweepers cannot re-queue
   a request twice. Gateways run it for every lapsed lease (every 100 ms); the supervisor
   runs it for a replica it saw die, at once.
-- `DELIVER` routes each answer to the gateway that owns the request *now* (a retry may
-  have moved it) and deletes the owner in the same step: a second answer for the same
-  request finds no owner and is counted as wasted work, never sent.
+- `DELIVER` routes each answer to every gateway that waits for the request *now* (a retry
+  through another gateway process joins it there) and deletes the owner in the same step:
+  a second answer for the same request finds no owner and is counted as wasted work,
+  never sent.
 
-The owner value is "<gateway>|<waiting set>|<tenant>|<attempt id>"; see api/gateway.py.
+The owner value is "<gateways>|<waiting set>|<tenant>|<attempt id>|<body fingerprint>",
+the gateways comma-separated; see api/gateway.py.
 
 The scripts read their keys' names from ARGV and from what they find; every key carries
 the one hash tag (control/protocol.py), so they all sit in one slot. A caller may name one
@@ -38,26 +40,46 @@ from control import protocol as p
 LUA_LIB = (
     """
 local P = 'PREFIX:'  -- every key's prefix, its hash tag included
+-- gateways, waiting set, tenant, attempt, fingerprint of the body ('' when none).
 local function owner_parts(owner)
   local a = string.find(owner, '|', 1, true)
   local b = string.find(owner, '|', a + 1, true)
   local c = string.find(owner, '|', b + 1, true)
-  return owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1, c - 1), owner:sub(c + 1)
+  local d = string.find(owner, '|', c + 1, true)
+  local attempt, fingerprint = owner:sub(c + 1), ''
+  if d then attempt, fingerprint = owner:sub(c + 1, d - 1), owner:sub(d + 1) end
+  return owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1, c - 1), attempt, fingerprint
 end
 
-local function notify(gateway, item)
-  local key = P .. 'reply:' .. gateway
-  redis.call('RPUSH', key, '{"items":[' .. item .. ']}')
-  redis.call('EXPIRE', key, REPLY_TTL_S)
+local function has_gateway(gateways, gateway)
+  return string.find(',' .. gateways .. ',', ',' .. gateway .. ',', 1, true) ~= nil
+end
+
+-- A stored answer: "<fingerprint>|<result JSON>" (a bare JSON object from before fingerprints).
+local function done_parts(done)
+  if done:sub(1, 1) == '{' then return '', done end
+  local a = string.find(done, '|', 1, true)
+  return done:sub(1, a - 1), done:sub(a + 1)
+end
+
+-- `gateways`: the comma-separated ids of every gateway process with a connection waiting.
+local function notify(gateways, item)
+  for gateway in string.gmatch(gateways, '[^,]+') do
+    local key = P .. 'reply:' .. gateway
+    redis.call('RPUSH', key, '{"items":[' .. item .. ']}')
+    redis.call('EXPIRE', key, REPLY_TTL_S)
+  end
 end
 
 -- Items grouped by gateway, in first-seen order, so each gateway gets one message.
-local function collect(out, order, gateway, item)
-  if not out[gateway] then
-    out[gateway] = {}
-    order[#order + 1] = gateway
+local function collect(out, order, gateways, item)
+  for gateway in string.gmatch(gateways, '[^,]+') do
+    if not out[gateway] then
+      out[gateway] = {}
+      order[#order + 1] = gateway
+    end
+    table.insert(out[gateway], item)
   end
-  table.insert(out[gateway], item)
 end
 
 local function notify_all(out, order)
@@ -66,19 +88,31 @@ local function notify_all(out, order)
   end
 end
 
--- Cancel the request with this key, tell its gateway. '' for tenant, attempt or holder
--- means any; a gateway giving up passes itself as holder (a retry elsewhere may own it now).
+-- Cancel the request with this key, tell every gateway that waits for it. '' for tenant,
+-- attempt or holder means any. A gateway giving up passes itself as holder: while another
+-- gateway still waits for the request (a retry joined it there) it only stops waiting.
 local function cancel(key, reason, tenant, attempt, holder)
   local owner = redis.call('GET', P .. 'req:' .. key)
   if not owner then return 0 end
-  local gateway, waiting, who, att = owner_parts(owner)
+  local gateways, waiting, who, att, fingerprint = owner_parts(owner)
   if tenant ~= '' and tenant ~= who then return 0 end
   if attempt ~= '' and attempt ~= att then return 0 end
-  if holder and holder ~= '' and holder ~= gateway then return 0 end
+  if holder and holder ~= '' then
+    if not has_gateway(gateways, holder) then return 0 end
+    if gateways ~= holder then
+      local rest = {}
+      for gateway in string.gmatch(gateways, '[^,]+') do
+        if gateway ~= holder then rest[#rest + 1] = gateway end
+      end
+      local left = table.concat(rest, ',') .. '|' .. waiting .. '|' .. who .. '|' .. att .. '|' .. fingerprint
+      redis.call('SET', P .. 'req:' .. key, left, 'KEEPTTL')
+      return 0
+    end
+  end
   redis.call('SET', P .. 'cancel:' .. att, reason, 'PX', CANCEL_TTL_MS)
   redis.call('DEL', P .. 'req:' .. key)
   redis.call('ZREM', waiting, att)
-  notify(gateway, cjson.encode({kind = 'cancelled', id = att, reason = reason}))
+  notify(gateways, cjson.encode({kind = 'cancelled', id = att, reason = reason}))
   return 1
 end
 
@@ -299,12 +333,12 @@ for i = 2, #ARGV, 6 do
   local gateway = nil
   local owner = redis.call('GET', P .. 'req:' .. key)
   if owner then
-    local gw, _, _, owner_att = owner_parts(owner)
+    local gateways, _, _, owner_att, fingerprint = owner_parts(owner)
     if owner_att == att then
-      gateway = gw
+      gateway = gateways
       redis.call('DEL', P .. 'req:' .. key)
       if keep > 0 and kind == 'result' then
-        redis.call('SET', P .. 'done:' .. key, item, 'PX', keep)
+        redis.call('SET', P .. 'done:' .. key, fingerprint .. '|' .. item, 'PX', keep)
       end
       delivered = delivered + 1
     end

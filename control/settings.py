@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     api_threads: int = Field(256, ge=1, description="threads per process (gthread only)")
     api_keys: dict[str, Tier] = Field(default_factory=dict, description="API key -> tier")
     allow_anonymous: bool = True
+    metrics_token: str | None = Field(
+        None,
+        description="bearer token /metrics requires when set; unset, /metrics is open only while anonymous access is",
+    )
     max_prompt_chars: int = Field(32_768, ge=1)
     max_tokens_limit: int = Field(256, ge=1)
     header_timeout_s: float = Field(10.0, gt=0, description="a request line and header block arrive within this (408)")

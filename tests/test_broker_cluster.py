@@ -180,8 +180,8 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     assert _admit(s, "t:a", "att-a", "gw-1", session="t:s")[0] == 1
     assert _admit(s, "t:b", "att-b", "gw-1", session="t:s", keep_ms=30_000)[0] == 1  # supersedes t:a
     assert cluster.get(p.cancel_key("att-a")) == b"superseded"
-    assert _admit(s, "t:b", "att-b2", "gw-2", keep_ms=30_000)[:1] == [3]  # joins att-b, tells gw-1
-    assert cluster.llen(p.reply_key("gw-1")) == 2  # the supersede and the retried notice
+    assert _admit(s, "t:b", "att-b2", "gw-2", keep_ms=30_000)[:1] == [3]  # joins att-b: gw-1 and gw-2 wait
+    assert cluster.llen(p.reply_key("gw-1")) == 1  # the supersede
     # A stale owner: the retry is admitted as a new attempt and the old one cancelled.
     cluster.set(p.owner_key("t:stale"), f"gw-1|{p.waiting_key(MODEL, 'paid')}|t|att-old", px=OWNER_SLACK_MS - 1)
     assert _admit(s, "t:stale", "att-new", "gw-1")[0] == 1
@@ -196,7 +196,7 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     cluster.set(p.claim_key("att-other"), "r2", px=60_000)  # running on r2, whose lease is alive
     assert s.claim(keys=[p.held_key("r1")], args=["r1", 60_000, "att-b", "att-other"]) == [1, 0]
     chunk = p.Chunk(id="att-b", offset=0, text="x").model_dump_json()
-    assert s.stream(keys=[p.owner_key("t:b")], args=["t:b", "att-b", chunk]) == 1
+    assert s.stream(keys=[p.owner_key("t:b")], args=["t:b", "att-b", chunk]) == 2  # both gateways
     items = ["t:b", "att-b", 30_000, "result", _result("att-b"), "gw-1"]
     items += ["t:late", "att-late", 0, "result", _result("att-late"), "gw-1"]  # no owner: wasted
     dropped = p.Dropped(id="att-a", reason="superseded", replica="r1").model_dump_json()

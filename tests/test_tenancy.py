@@ -3,15 +3,11 @@ id join the request in flight, get its stored answer, or run again after a 504 o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment, free_port, until
+from tests.conftest import FREE_KEY, PAID_KEY, Deployment
 from tests.test_serving import _queued_behind_busy_replicas
 
 
@@ -60,13 +56,9 @@ def test_a_retry_in_flight_joins_the_request(kb: Deployment) -> None:
         retry = pool.submit(kb.post, **{"X-Request-Id": "retry-live"}).result(10)
     first = queued.result(5)
     [f.result() for f in busy]
-    # One run: both connections get its answer, or the older one is told it was taken over.
-    assert retry.status_code == 200
-    assert first.status_code in (200, 409)
-    if first.status_code == 200:
-        assert first.json()["choices"] == retry.json()["choices"]
-    else:
-        assert first.json()["error"]["code"] == "retried"
+    # One run: both connections get its answer (tests/test_joins.py: across gateway processes).
+    assert (first.status_code, retry.status_code) == (200, 200)
+    assert first.json()["choices"] == retry.json()["choices"]
 
 
 def test_a_retry_after_a_cancel_runs_again(kb: Deployment) -> None:
@@ -83,41 +75,3 @@ def test_a_retry_after_a_504_runs_again(kb: Deployment) -> None:
     assert late.result(5).status_code == 504
     [f.result() for f in busy]
     assert kb.post(**{"X-Request-Id": "retry-late"}).status_code == 200
-
-
-def test_a_retry_through_another_gateway_takes_the_request_over(kb: Deployment) -> None:
-    """The first connection (gateway A) is told 409 `retried`; the retry (gateway B) gets
-    the answer of the one run."""
-    port = free_port()
-    env = {**os.environ, "KEYBATCH_REDIS_URL": kb.system.redis_url or "", "KEYBATCH_API_PROCESSES": "1"}
-    env["KEYBATCH_MODELS"] = json.dumps({MODEL: MODEL})
-    other = subprocess.Popen(
-        [sys.executable, "-m", "control", "api", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        b_url = f"http://127.0.0.1:{port}"
-        assert until(lambda: _ready(b_url), 20)
-        queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "moved-1"})
-        retry = requests.post(
-            f"{b_url}/v1/completions",
-            json={"model": MODEL, "prompt": "def add(a, b):\n    "},
-            headers={"Authorization": f"Bearer {FREE_KEY}", "X-Request-Id": "moved-1"},
-            timeout=10,
-        )
-        first = queued.result(5)
-        [f.result() for f in busy]
-    finally:
-        other.terminate()
-        other.wait(30)
-    assert retry.status_code == 200 and retry.json()["id"] == "moved-1"
-    assert first.status_code == 409 and first.json()["error"]["code"] == "retried"
-
-
-def _ready(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/readyz", timeout=1).status_code == 200
-    except requests.RequestException:
-        return False
