@@ -27,7 +27,6 @@ from control import protocol as p
 from control.clock import BrokerClock, Clock
 from control.fleet import ENGINE_PREFIX
 from control.lifecycle import IllegalTransition, ReplicaState, can_transition, transition
-from control.tiers import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 from tasks.messages import job_from_message
@@ -464,11 +463,7 @@ class Replica:
         }
         if late:  # paid requests taken straight from the queue at this launch
             pipe.hset(p.held_key(self.name), mapping=late)
-        by_tier: dict[Tier, list[str]] = defaultdict(list)
-        for pending in leaving:
-            by_tier[pending.tier].append(pending.id)
-        for tier, ids in by_tier.items():
-            pipe.zrem(p.waiting_key(self.model, tier), *ids)
+        self._leave_waiting(pipe, leaving)
         notices = [
             p.Dropped(id=pending.id, reason=reason, replica=self.name)
             for reason, group in dropped.items()
@@ -494,6 +489,18 @@ class Replica:
             self.stats.dropped[reason] += len(group)
             self.events.revoked(group, reason)
         return batch
+
+    def _leave_waiting(self, pipe: redis.client.Pipeline, leaving: list[Pending]) -> None:
+        """Out of the waiting sets admission counts: the tier's (in line or behind other
+        tenants', whichever list it came from) and its tenant's share."""
+        by_set: dict[str, list[str]] = defaultdict(list)
+        for pending in leaving:
+            job = held(pending).job
+            for behind in (False, True):
+                by_set[p.waiting_key(self.model, pending.tier, behind)].append(pending.id)
+            by_set[p.tenant_waiting_key(self.model, pending.tier, p.tenant_of(job.key))].append(pending.id)
+        for key, ids in by_set.items():
+            pipe.zrem(key, *ids)
 
     def _keep_claimed(self, batch: list[Pending], claimed: list[int]) -> list[Pending]:
         """A request another live replica claimed first (a re-queued copy) runs there."""

@@ -1,0 +1,93 @@
+"""Fairness among the keys of a tier: one key flooding beyond its share of the queue delays
+itself, not another key of its tier nor paid ones; its share is released as its requests
+leave the queue, whichever way they leave."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+import requests
+
+from control import protocol as p
+from control.loadgen import LoadSpec, TenantLoad, generate_tenants, summarize
+from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment, until
+
+FLOOD_KEY, OTHER_KEY = "test-free-flood", "test-free-other"
+KEYS = json.dumps({PAID_KEY: "paid", FREE_KEY: "free", FLOOD_KEY: "free", OTHER_KEY: "free"})
+FLOOD_BUDGET_MS = 4000
+
+
+def _tenant(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _queued(kb: Deployment, key: str, tier: str = "free") -> int:
+    """What the key holds of its tier's queue now, by the broker's own count."""
+    state = redis.Redis.from_url(kb.system.redis_url)
+    now_ms = time.time() * 1000
+    return int(state.zcount(p.tenant_waiting_key(MODEL, tier, _tenant(key)), now_ms, "+inf"))
+
+
+@pytest.mark.slow
+def test_a_flooding_free_key_leaves_another_free_key_and_paid_their_share() -> None:
+    # 2 replicas x 4 per 250 ms = 32 req/s; one free key offers 3x that with long budgets.
+    with deployment(max_batch="4", api_keys=KEYS) as kb:
+        base = LoadSpec(kb.url, 1.0, 5.0, MODEL, max_tokens=8, seed=3)
+        tenants = [
+            TenantLoad("flood", FLOOD_KEY, 96.0, deadline_ms=FLOOD_BUDGET_MS, prompt_chars=2000, for_s=4.0),
+            TenantLoad("other", OTHER_KEY, 4.0, from_s=1.0),
+            TenantLoad("paid", PAID_KEY, 4.0, from_s=1.0),
+        ]
+        records = generate_tenants(base, tenants)
+        summary = summarize(records)
+        # The flood has stopped: within its budgets its share is free again.
+        assert until(lambda: _queued(kb, FLOOD_KEY) == 0, timeout_s=FLOOD_BUDGET_MS / 1000 + 2)
+        assert kb.post(key=FLOOD_KEY).status_code == 200
+    flood, other, paid = summary["flood"], summary["other"], summary["paid"]
+    assert summary["all"]["no_answer"] == 0
+    assert flood["codes"].get("429 tenant_queue_full", 0) > 0.3 * flood["sent"], flood["codes"]
+    assert flood["codes"].get("200", 0) > 0
+    assert other["ok_share"] >= 0.9, other["codes"]
+    assert paid["ok_share"] >= 0.95, paid["codes"]
+    assert other["p99_ms"] <= 600 and paid["p99_ms"] <= 600
+
+
+def test_a_queued_request_that_leaves_releases_its_keys_share() -> None:
+    # One replica, one request a batch: the first holds the replica, the rest queue.
+    with deployment(workers=1, max_batch="1", batch_ms="400", api_keys=KEYS) as kb:
+        auth = {"Authorization": f"Bearer {FLOOD_KEY}"}
+        with ThreadPoolExecutor(4) as pool:
+            running = pool.submit(kb.post, key=FLOOD_KEY)
+            assert until(lambda: _queued(kb, FLOOD_KEY) == 0 and not running.done(), timeout_s=2)
+            cancelled = pool.submit(kb.post, key=FLOOD_KEY, **{"X-Request-Id": "leave-by-cancel"})
+            expiring = pool.submit(kb.post, key=FLOOD_KEY, **{"X-Deadline-Ms": "450"})
+            assert until(lambda: _queued(kb, FLOOD_KEY) == 2, timeout_s=2)
+            # Cancelled: out of the share at once.
+            assert requests.delete(f"{kb.url}/v1/completions/leave-by-cancel", headers=auth).status_code == 200
+            assert cancelled.result(5).status_code == 409
+            # Expired: out once past its deadline (the replica drops it, or the next admission trims it).
+            assert expiring.result(5).status_code == 504
+            assert until(lambda: _queued(kb, FLOOD_KEY) == 0, timeout_s=2)
+            # Taken into a batch: out, and answered.
+            assert running.result(5).status_code == 200
+            assert kb.post(key=FLOOD_KEY).status_code == 200
+            assert _queued(kb, FLOOD_KEY) == 0
+
+
+def test_a_key_over_its_rate_is_refused_with_its_own_code() -> None:
+    with deployment(workers=1, tenant_rate_free="2", tenant_burst_free="2", api_keys=KEYS) as kb:
+        answers = [kb.post(key=FLOOD_KEY) for _ in range(4)]
+        other = kb.post(key=OTHER_KEY)
+    refused = [a for a in answers if a.status_code == 429]
+    assert refused, [a.status_code for a in answers]
+    for a in refused:
+        assert a.json()["error"]["code"] == "tenant_rate_limited"
+        assert a.json()["error"]["type"] == "rate_limit_error"
+        assert int(a.headers["Retry-After"]) >= 1
+    assert other.status_code == 200  # another key of the tier has its own bucket
