@@ -97,9 +97,14 @@ if behind and position > tonumber(ARGV[19]) then return {-3, paid, free, paid_be
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
 if tenanted and queued >= tonumber(ARGV[21]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if behind then
+  -- Its message says so (its priority, which the envelope has before any of the text).
+  local step = ARGV[5] == 'free' and FREE_PRIORITY or PAID_PRIORITY
+  local from, message = '"priority":' .. step, ARGV[8]
+  local at = string.find(message, from, 1, true)
+  if at then message = message:sub(1, at - 1) .. '"priority":' .. (step + BEHIND_STEP) .. message:sub(at + #from) end
   redis.call('SET', KEYS[1], ARGV[18], 'PX', ARGV[2])
   redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
-  redis.call('LPUSH', ARGV[15], ARGV[8])
+  redis.call('LPUSH', ARGV[15], message)
 else
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('ZADD', own, ARGV[3], ARGV[4])
@@ -162,6 +167,9 @@ end
 ADMIT_TENANT_LUA
 """.replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS))
     .replace("ADMIT_TENANT_LUA", ADMIT_TENANT_LUA)
+    .replace("FREE_PRIORITY", str(p.FREE_PRIORITY))
+    .replace("PAID_PRIORITY", str(p.PAID_PRIORITY))
+    .replace("BEHIND_STEP", str(p.BEHIND_STEP))
     .replace("ARRIVAL_LUA", traffic.ARRIVAL_LUA)
     .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
 )
@@ -458,8 +466,8 @@ class Gateway:
         self._depth[job.model] = (depths, now)
         verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
-            waiter.message = message
-            waiter.behind = extra == b"1"
+            waiter.behind = job.behind = extra == b"1"
+            waiter.message = self._task_message(job) if job.behind else message  # as the script pushed it
         retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
         return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
 

@@ -43,6 +43,11 @@ def priority_of(tier: Tier) -> int:
     return PAID_PRIORITY if tier == "paid" else FREE_PRIORITY
 
 
+def is_behind(priority: object) -> bool:
+    """Does a message of this kombu priority wait behind other tenants' requests?"""
+    return priority in (PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY + BEHIND_STEP)
+
+
 def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
     """The Redis list kombu's Redis transport keeps a queue's messages of one priority in
     (`behind`: the tier's requests queued behind other keys' ones)."""
@@ -155,6 +160,9 @@ class Job(BaseModel):
     received_ms: float  # when the gateway admitted it, epoch ms on the broker's clock
     deadline_ms: float  # after which nobody waits for it, on the broker's clock
     stream: bool = False
+    # Queued behind other tenants' requests of its tier (its tenant held its fair depth):
+    # told by the list it came from (its message's priority), not sent in the job itself.
+    behind: bool = False
 
 
 # expired: past its deadline; gone: the client hung up; retried: a retry on another

@@ -301,7 +301,7 @@ class Replica:
 
     def _push_back(self, job: p.Job) -> bool:
         try:
-            self.redis.rpush(p.queue_key(job.model, job.tier), self.envelope(job))  # the end BRPOP pops
+            self.redis.rpush(p.queue_key(job.model, job.tier, job.behind), self.envelope(job))  # BRPOP's end
         except redis.RedisError:  # it runs here, a batch later; if the push did land (a timed-out
             return False  # reply), the claim at launch lets only one of the two copies run
         self.stats.num_handed_back += 1
@@ -340,7 +340,9 @@ class Replica:
             log.warning("could not record %d requests as held", len(jobs))
 
     def _pending(self, job: p.Job) -> Pending:
-        return Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
+        return Pending(
+            job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms(), behind=job.behind
+        )
 
     # -- the loop: wait, take, run, answer -------------------------------------
 
@@ -388,7 +390,7 @@ class Replica:
     # -- lease and held records (control/failover.py) ----------------------------------
 
     def _held_record(self, job: p.Job, message: str | None = None) -> str:
-        queue, waiting = p.queue_key(job.model, job.tier), p.waiting_key(job.model, job.tier)
+        queue, waiting = p.queue_key(job.model, job.tier, job.behind), p.waiting_key(job.model, job.tier, job.behind)
         return f"{job.deadline_ms:.0f}|{queue}|{waiting}|{job.key}|{message or self.envelope(job)}"
 
     def _lease_commands(self, pipe: redis.client.Pipeline) -> None:
@@ -420,9 +422,11 @@ class Replica:
         with self._cond:
             ids = self.collector.ids()
             room = self.collector.num_free() if self._is_taking() else 0
+            behind = self.collector.num_behind() if self._is_taking() else 0
         # One round trip: cancels for the whole buffer, and paid requests still in
-        # the queue that would otherwise ride behind free ones already buffered.
-        reasons, late_paid = self._cancels_and_paid(ids, room)
+        # the queue that would otherwise ride behind free ones already buffered (and
+        # free ones in line behind buffered requests of a tenant beyond its share).
+        reasons, late_paid = self._cancels_and_paid(ids, room, behind)
         with self._cond:
             now = self.clock.now_ms()
             dropped = self._sort_buffer(late_paid, reasons, now)
@@ -813,18 +817,22 @@ class Replica:
     def _cancel_reasons(self, ids: list[str]) -> dict[str, str]:
         return self._cancels_and_paid(ids, 0)[0]
 
-    def _cancels_and_paid(self, ids: list[str], room: int) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
-        if not ids and not room:
+    def _cancels_and_paid(
+        self, ids: list[str], room: int, behind: int = 0
+    ) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
+        if not ids and not room and not behind:
             return {}, []
         pipe = self.redis.pipeline(transaction=False)
         if ids:
             pipe.mget([p.cancel_key(i) for i in ids])
         if room:
             pipe.rpop(p.queue_key(self.model, "paid"), room)
+        if behind:
+            pipe.rpop(p.queue_key(self.model, "free"), behind)
         results = pipe.execute()
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
-        raws = (results[-1] or []) if room else []
+        raws = [raw for popped in results[1 if ids else 0 :] for raw in popped or []]
         jobs = []
         for raw in raws:
             try:
