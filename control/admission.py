@@ -181,13 +181,13 @@ class Depths:
 def tenant_limits(deepest: int, capacity: Capacity, policy: TenantPolicy) -> TenantLimits:
     """A key's share of the queue for a request whose deepest admissible position is `deepest`.
 
-    A request behind other keys' ones is overtaken by those that arrive while it waits:
-    it keeps room for one more key's fair depth, so it is not admitted only to expire."""
+    A request behind other keys' ones is admitted to the same depth: the lists in line
+    overtake it only while other keys have requests there, which their rate bounds."""
     fair = max(1, math.ceil(policy.fair_batches * capacity.max_batch))
     return TenantLimits(
         fair_depth=fair,
         max_queued=max(1, math.floor(policy.share * deepest)),
-        deepest_behind=max(1, deepest - fair),
+        deepest_behind=deepest,
     )
 
 

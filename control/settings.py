@@ -89,7 +89,7 @@ class Settings(BaseSettings):
     tenant_burst_paid: float = Field(0.0, ge=0, description="paid key's token bucket size (0: one second of its rate)")
     tenant_burst_free: float = Field(0.0, ge=0, description="free key's token bucket size (0: one second of its rate)")
     tenant_share_paid: float = Field(
-        0.5, gt=0, le=1, description="share of a paid request's admissible queue one paid key may hold"
+        1.0, gt=0, le=1, description="share of a paid request's admissible queue one paid key may hold"
     )
     tenant_share_free: float = Field(
         0.5, gt=0, le=1, description="share of a free request's admissible queue one free key may hold"
