@@ -48,7 +48,7 @@ CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4
 # The admission proper, after the joins (control/admission.py's `decide`, and the token
 # bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
 # position counts.
-ADMIT_TENANT_LUA = """
+ADMIT_TENANT_PART = """
 local now = tonumber(ARGV[7])
 local tenanted = ARGV[13] ~= nil
 local lists = {KEYS[2], KEYS[3]}
@@ -164,9 +164,9 @@ if current then
   end
   return {3, 0, 0, attempt}
 end
-ADMIT_TENANT_LUA
+ADMIT_TENANT_PART
 """.replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS))
-    .replace("ADMIT_TENANT_LUA", ADMIT_TENANT_LUA)
+    .replace("ADMIT_TENANT_PART", ADMIT_TENANT_PART)
     .replace("FREE_PRIORITY", str(p.FREE_PRIORITY))
     .replace("PAID_PRIORITY", str(p.PAID_PRIORITY))
     .replace("BEHIND_STEP", str(p.BEHIND_STEP))
