@@ -95,3 +95,25 @@ def test_a_key_over_its_rate_is_refused_with_its_own_code() -> None:
         assert a.json()["error"]["type"] == "rate_limit_error"
         assert int(a.headers["Retry-After"]) >= 1
     assert other.status_code == 200  # another key of the tier has its own bucket
+
+
+def test_a_queued_request_takes_a_bounded_size_in_the_broker(kb: Deployment) -> None:
+    # 32,000 characters of code queue as ~35 KB; as many control characters would take
+    # ~7 bytes each once escaped twice (the job's JSON inside the message's): refused.
+    code = ("def f(x):\n    return x + 1\n" * 1200)[:32_000]
+    assert kb.post({"model": MODEL, "prompt": code, "max_tokens": 4}).status_code == 200
+    escaped = kb.post({"model": MODEL, "prompt": "\x01" * 32_000, "max_tokens": 4})
+    assert escaped.status_code == 413, escaped.text
+    assert escaped.json()["error"]["code"] == "prompt_too_long"
+    assert kb.post({"model": MODEL, "prompt": "\x01" * 32_000}, key=PAID_KEY).status_code == 200  # paid's cap
+
+
+def test_the_message_of_a_large_prompt_is_about_its_size() -> None:
+    from control.settings import Settings
+    from tasks.app import make_celery
+    from tasks.messages import TaskMessages
+
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    code = ("def f(x):\n    return x + 1\n" * 1200)[:32_000]
+    job = p.Job(id="a" * 32, key="t:b", model=MODEL, prompt=code, gateway="g", received_ms=0, deadline_ms=1)
+    assert len(messages(job)) < 32_000 * 1.2 + 2048
