@@ -118,3 +118,25 @@ def test_the_message_of_a_large_prompt_is_about_its_size() -> None:
     code = ("def f(x):\n    return x + 1\n" * 1200)[:32_000]
     job = p.Job(id="a" * 32, key="t:b", model=MODEL, prompt=code, gateway="g", received_ms=0, deadline_ms=1)
     assert len(messages(job)) < 32_000 * 1.2 + 2048
+
+
+@pytest.mark.slow
+def test_requests_re_queued_after_a_replica_dies_keep_then_release_their_keys_share() -> None:
+    import signal
+
+    from tests.conftest import replica_for
+
+    with deployment(workers=2, max_batch="8", api_keys=KEYS) as kb:
+        victim = kb.system.workers[0]
+        name = replica_for(kb, victim.pid)
+        with ThreadPoolExecutor(48) as pool:
+            body = {"model": MODEL, "prompt": "def f():\n"}
+            futures = [pool.submit(kb.post, body, FLOOD_KEY, **{"X-Deadline-Ms": "3000"}) for _ in range(48)]
+            assert until(lambda: held_counts(kb).get(p.held_key(name), 0) > 0, 5)  # it holds some of them
+            victim.send_signal(signal.SIGKILL)
+            answers = [f.result() for f in futures]
+        codes = [a.status_code if a.status_code == 200 else a.json()["error"]["code"] for a in answers]
+        assert set(codes) <= {200, "tenant_queue_full"}, codes
+        assert codes.count(200) >= 24
+        assert _queued(kb, FLOOD_KEY) == 0  # every one left: none holds the key's share
+        assert kb.post(key=FLOOD_KEY).status_code == 200
