@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -33,6 +34,7 @@ from control.clock import BrokerClock, Clock
 from control.connect import client_like
 from control.fleet import FleetView
 from control.settings import Settings
+from control.tiers import Tier
 from tasks.messages import TaskMessages
 
 log = logging.getLogger(__name__)
@@ -45,13 +47,101 @@ OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this m
 # KEYS: the owner (read through ARGV; named so a cluster client routes the call to its slot).
 CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
 
+# The admission proper, after the joins (control/admission.py's `decide`, and the token
+# bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
+# position counts.
+ADMIT_TENANT_PART = """
+local now = tonumber(ARGV[7])
+local tenanted = ARGV[13] ~= nil
+local lists = {KEYS[2], KEYS[3]}
+if tenanted then lists = {KEYS[2], ARGV[13], KEYS[3], ARGV[14]} end
+local d = {}
+for i, key in ipairs(lists) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  d[i] = redis.call('ZCARD', key)
+end
+local paid, paid_behind, free, free_behind = d[1], 0, d[2], 0
+if tenanted then paid, paid_behind, free, free_behind = d[1], d[2], d[3], d[4] end
+local own, own_behind = KEYS[2], ARGV[13]
+if ARGV[5] == 'free' then own, own_behind = KEYS[3], ARGV[14] end
+local behind, queued, tokens, rate = false, 0, 0, 0
+if tenanted then
+  rate = tonumber(ARGV[22])
+  if rate > 0 then
+    tokens = tonumber(ARGV[23])
+    local bucket = redis.call('HMGET', ARGV[17], 't', 'at')
+    if bucket[1] then
+      tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
+    end
+    if tokens < 1 then
+      return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
+    end
+  end
+  local mine, fair = ARGV[16], tonumber(ARGV[20])
+  redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
+  queued = redis.call('ZCARD', mine)
+  if queued >= fair then
+    -- Entries of requests that left without being removed here (a path that missed
+    -- it) must not hold the share: the oldest are checked against the waiting sets.
+    for _, id in ipairs(redis.call('ZRANGE', mine, 0, tonumber(ARGV[24]) - 1)) do
+      if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
+        redis.call('ZREM', mine, id)
+        queued = queued - 1
+      end
+    end
+  end
+  behind = queued >= fair
+end
+local position = paid + 1
+if ARGV[5] == 'free' then position = position + paid_behind + free end
+if behind then position = position + (ARGV[5] == 'free' and free_behind or paid_behind) end
+if behind and position > tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
+if tenanted and queued >= tonumber(ARGV[21]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if behind then
+  -- Its message says so (its priority, which the envelope has before any of the text).
+  local step = ARGV[5] == 'free' and FREE_PRIORITY or PAID_PRIORITY
+  local from, message = '"priority":' .. step, ARGV[8]
+  local at = string.find(message, from, 1, true)
+  if at then message = message:sub(1, at - 1) .. '"priority":' .. (step + BEHIND_STEP) .. message:sub(at + #from) end
+  redis.call('SET', KEYS[1], ARGV[18], 'PX', ARGV[2])
+  redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
+  redis.call('LPUSH', ARGV[15], message)
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('ZADD', own, ARGV[3], ARGV[4])
+  redis.call('LPUSH', KEYS[4], ARGV[8])
+end
+if tenanted then
+  redis.call('ZADD', ARGV[16], ARGV[3], ARGV[4])
+  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'GT')
+  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'NX')
+  if rate > 0 then
+    redis.call('HSET', ARGV[17], 't', tokens - 1, 'at', now)
+    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[23]) * 1000 / rate) + 1000)
+  end
+end
+if KEYS[5] then
+  local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
+  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
+end
+ARRIVAL_LUA
+return {1, paid, free, paid_behind, free_behind, behind and '1' or ''}
+"""
+
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
 # ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
 #       done key ('' when the answer is not kept), this gateway, request key, the traffic
-#       field this arrival counts in (control/traffic.py).
-# Returns {status, paid waiting, free waiting, extra}: 1 admitted; 2 answered before
-# (extra: the stored answer); 3 in flight, joined (extra: its attempt); 4 the id is in
-# flight or answered with another body (the owner value's fingerprint); -1 too deep.
+#       field this arrival counts in (control/traffic.py); then, for a request counted
+#       against its tenant (control/admission.py): waiting paid behind, waiting free behind,
+#       the queue list behind, the tenant's waiting set, its bucket, the owner value behind,
+#       the deepest position behind, fair depth, most queued, rate per s, bucket size, how
+#       many of the tenant's oldest entries to check are still waiting.
+# Returns {status, paid waiting, free waiting, [paid behind, free behind,] extra}: 1 admitted
+# (extra: '1' behind other tenants' requests, else ''); 2 answered before (extra: the
+# stored answer); 3 in flight, joined (extra: its attempt); 4 the id is in flight or
+# answered with another body (the owner value's fingerprint); -1 too deep; -2 the
+# tenant's rate (extra: ms until a token); -3 the tenant holds its share of the queue.
 ADMIT_LUA = (
     # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
     # script (OOM, answered 503). Unflagged, only its first write is checked, and that
@@ -87,27 +177,12 @@ if current then
   end
   return {3, 0, 0, attempt}
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[7])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[7])
-local paid = redis.call('ZCARD', KEYS[2])
-local free = redis.call('ZCARD', KEYS[3])
-local position = paid + 1
-local own = KEYS[2]
-if ARGV[5] == 'free' then
-  position = position + free
-  own = KEYS[3]
-end
-if position > tonumber(ARGV[6]) then return {-1, paid, free, ''} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', own, ARGV[3], ARGV[4])
-redis.call('LPUSH', KEYS[4], ARGV[8])
-if KEYS[5] then
-  local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
-  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
-end
-ARRIVAL_LUA
-return {1, paid, free, ''}
+ADMIT_TENANT_PART
 """.replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS))
+    .replace("ADMIT_TENANT_PART", ADMIT_TENANT_PART)
+    .replace("FREE_PRIORITY", str(p.FREE_PRIORITY))
+    .replace("PAID_PRIORITY", str(p.PAID_PRIORITY))
+    .replace("BEHIND_STEP", str(p.BEHIND_STEP))
     .replace("ARRIVAL_LUA", traffic.ARRIVAL_LUA)
     .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
 )
@@ -170,6 +245,7 @@ class Waiter:
     news: threading.Event = field(default_factory=threading.Event)  # a chunk or the answer came
     chunks: list[p.Chunk] = field(default_factory=list)  # streamed text not yet sent on
     message: str = ""  # the queue message this process pushed for it (RESCUE pushes it again)
+    behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -227,6 +303,7 @@ class BrokerHealth:
         return self.silent_s >= self.down_after_s
 
 
+STALE_CHECKS = 8  # a tenant's oldest queued entries checked per admission at its fair depth
 RESCUE_AFTER_S = 0.1  # after a death, so a live replica's pops of the moment are recorded
 RESCUE_CHUNK = 1000  # requests per RESCUE call (each call may read the queue once)
 NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
@@ -250,7 +327,8 @@ class Gateway:
         self._early: dict[str, tuple[Item, float]] = {}  # answers kept for joins not yet registered
         # Admissions with a client's id between their script call and their registration, by key.
         self._joining: dict[str, int] = {}
-        self._depth: dict[str, tuple[int, int, float]] = {}  # model -> paid, free waiting, when seen
+        self._depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
+        self._tenants = {tier: _tenant_policy(settings, tier) for tier in ("paid", "free")}
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
         # Set by the server: False once this process was told to stop (it then
         # finishes what it holds but admits nothing new, and /readyz says so).
@@ -309,7 +387,7 @@ class Gateway:
             # starting, a replica back from a restart) must not be refused 503 meanwhile.
             self.fleet.refresh()
             capacity = self.fleet.capacity(job.model)
-        verdict, position = admission.check(budget, capacity, self.limits), 0
+        verdict, position, retry_ms = admission.check(budget, capacity, self.limits), 0, 0.0
         if verdict == Verdict.ADMIT:
             now = self.clock.now_ms()
             # Each process sees its share of the paid traffic (connections spread evenly).
@@ -324,7 +402,7 @@ class Gateway:
             self._register(waiter)  # before the enqueue: a reply may come at once
             verdict = Verdict.OVERLOADED  # until the enqueue says otherwise (or raises)
             try:
-                verdict, position = self._enqueue(waiter, session_key, deepest)
+                verdict, position, retry_ms = self._enqueue(waiter, session_key, deepest, capacity)
             finally:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
@@ -334,7 +412,7 @@ class Gateway:
                 self.metrics.inflight.inc()
                 return waiter
         self.metrics.rejected.labels(job.model, job.tier, verdict.name.lower()).inc()
-        raise _refusal(verdict, budget, capacity, self.limits, position)
+        raise _refusal(verdict, budget, capacity, self.limits, position, retry_ms)
 
     def _register(self, waiter: Waiter) -> None:
         with self._lock:
@@ -352,15 +430,19 @@ class Gateway:
                 self.waiters.pop(waiter.attempt, None)
 
     def _recent_position(self, job: p.Job) -> int:
-        """The request's queue position by the last admission's counts, if they are fresh."""
-        paid, free, at_ms = self._depth.get(job.model, (0, 0, 0.0))
+        """The request's queue position by the last admission's counts, if they are fresh:
+        in line (a request behind other tenants' ones only waits longer)."""
+        depths, at_ms = self._depth.get(job.model, (admission.Depths(), 0.0))
         if self.clock.now_ms() - at_ms > FRESH_DEPTH_MS:
             return 0
-        return admission.position(job.tier, paid, free)
+        return admission.lane_position(job.tier, depths, behind=False)
 
-    def _enqueue(self, waiter: Waiter, session_key: str | None, deepest: int) -> tuple[Verdict, int]:
+    def _enqueue(
+        self, waiter: Waiter, session_key: str | None, deepest: int, capacity: Capacity
+    ) -> tuple[Verdict, int, float]:
         """One round trip admits the request and enqueues its Celery task, or neither; or
-        joins the attempt in flight under the same key, or finds its stored answer."""
+        joins the attempt in flight under the same key, or finds its stored answer.
+        (verdict, queue position, ms until the tenant's rate admits one more)."""
         job = waiter.job
         keys = [
             p.owner_key(job.key),
@@ -372,18 +454,20 @@ class Gateway:
             keys.append(p.session_key(session_key))
         ttl = int(job.deadline_ms - job.received_ms) + OWNER_SLACK_MS
         message = self._task_message(job)
-        tenant = job.key.partition(":")[0]
+        _check_size(message, self._max_message_bytes(job.tier))
+        tenant = p.tenant_of(job.key)
         fingerprint = body_fingerprint(job) if job.keep_ms else ""  # only a client's own id is joined
         owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}|{fingerprint}"
         done = p.done_key(job.key) if job.keep_ms else ""
         now = self.clock.now_ms()
         arrival = traffic.arrival_field(job.model, job.tier)
         args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
+        args += self._tenant_args(job, tenant, deepest, capacity, fingerprint)
         if fingerprint:
             self._joins(job.key, +1)
         try:
             try:
-                status, paid, free, extra = self._admit(keys, args)
+                status, paid, free, *behind, extra = self._admit(keys, args)
             except redis.exceptions.OutOfMemoryError as exc:
                 self.health.ok()  # it answered: full (its memory limit), not down
                 raise ApiError(503, "the broker is full; retry shortly", "broker_unavailable", retry_after_s=1) from exc
@@ -393,23 +477,53 @@ class Gateway:
             self.health.ok()
             if status == 2:  # answered within the idempotency window: the same answer again
                 waiter.resolve(p.Result.model_validate_json(extra))
-                return Verdict.ADMIT, 0
+                return Verdict.ADMIT, 0, 0.0
             if status == 3:  # joined the attempt in flight
                 self._forget(waiter)
                 waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
                 waiter.attempt = extra.decode()
                 self._register(waiter)
-                return Verdict.ADMIT, 0
+                return Verdict.ADMIT, 0, 0.0
         finally:
             if fingerprint:
                 self._joins(job.key, -1)
         if status == 4:
             raise _reused(waiter.request_id)
-        self._depth[job.model] = (paid, free, now)
-        verdict = Verdict.OVERLOADED if status == -1 else Verdict.ADMIT
+        depths = admission.Depths(paid, behind[0], free, behind[1])
+        self._depth[job.model] = (depths, now)
+        verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
-            waiter.message = message
-        return verdict, admission.position(job.tier, paid, free)
+            waiter.behind = job.behind = extra == b"1"
+            waiter.message = self._task_message(job) if job.behind else message  # as the script pushed it
+        retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
+        return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
+
+    def _max_message_bytes(self, tier: Tier) -> int:
+        kb = self.settings.max_message_kb_paid if tier == "paid" else self.settings.max_message_kb_free
+        return kb * 1024
+
+    def _tenant_args(
+        self, job: p.Job, tenant: str, deepest: int, capacity: Capacity, fingerprint: str
+    ) -> list[EncodableT]:
+        """The admission script's arguments for the request's tenant (see ADMIT_LUA)."""
+        policy = self._tenants[job.tier]
+        limits = admission.tenant_limits(deepest, capacity, policy)
+        behind = p.tenant_waiting_key(job.model, job.tier, tenant)
+        owner = f"{self.id}|{p.waiting_key(job.model, job.tier, behind=True)}|{tenant}|{job.id}|{fingerprint}"
+        return [
+            p.waiting_key(job.model, "paid", behind=True),
+            p.waiting_key(job.model, "free", behind=True),
+            p.queue_key(job.model, job.tier, behind=True),
+            behind,
+            p.bucket_key(job.tier, tenant),
+            owner,
+            limits.deepest_behind,
+            limits.fair_depth,
+            limits.max_queued,
+            policy.rate_per_s,
+            policy.bucket,
+            STALE_CHECKS,
+        ]
 
     # -- waiting, cancel, give up ----------------------------------------------------
 
@@ -546,7 +660,8 @@ class Gateway:
                 args: list[EncodableT] = [min_ms]
                 for w in waiting[start : start + RESCUE_CHUNK]:
                     job = w.job
-                    args += [w.attempt, job.key, p.queue_key(job.model, job.tier), p.waiting_key(job.model, job.tier)]
+                    queue = p.queue_key(job.model, job.tier, w.behind)
+                    args += [w.attempt, job.key, queue, p.waiting_key(job.model, job.tier, w.behind)]
                     args += [job.deadline_ms, job.received_ms, w.message]
                 rescued += int(self._rescue(keys=[p.HOLDERS_KEY], args=args))
         except redis.RedisError as exc:
@@ -677,7 +792,53 @@ def _broker_down(exc: BaseException | None) -> ApiError:
     return ApiError(503, "the broker is unreachable; retry shortly", "broker_unavailable", retry_after_s=1)
 
 
-def _refusal(verdict: Verdict, budget_ms: float, capacity: Capacity, limits: Limits, position: int) -> ApiError:
+_ADMIT_STATUS = {
+    1: Verdict.ADMIT,
+    -1: Verdict.OVERLOADED,
+    -2: Verdict.TENANT_RATE_LIMITED,
+    -3: Verdict.TENANT_QUEUE_FULL,
+}
+
+
+def _tenant_policy(settings: Settings, tier: Tier) -> admission.TenantPolicy:
+    paid = tier == "paid"
+    return admission.TenantPolicy(
+        rate_per_s=settings.tenant_rate_paid if paid else settings.tenant_rate_free,
+        burst=settings.tenant_burst_paid if paid else settings.tenant_burst_free,
+        share=settings.tenant_share_paid if paid else settings.tenant_share_free,
+        fair_batches=settings.tenant_fair_batches,
+    )
+
+
+def _check_size(message: str, limit: int) -> None:
+    """A request's task message is what it holds in the broker while it waits: 413 beyond
+    the tier's limit (a prompt of many escaped characters takes several bytes for each)."""
+    size = len(message) if len(message) * 4 <= limit else len(message.encode())
+    if size > limit:
+        raise ApiError(
+            413,
+            f"the request takes {size // 1024} KiB queued, above this tier's {limit // 1024} KiB; shorten the prompt",
+            "prompt_too_long",
+        )
+
+
+def _refusal(
+    verdict: Verdict, budget_ms: float, capacity: Capacity, limits: Limits, position: int, retry_ms: float = 0.0
+) -> ApiError:
+    if verdict == Verdict.TENANT_RATE_LIMITED:
+        return ApiError(
+            429,
+            "this key's request rate is above its tier's limit",
+            "tenant_rate_limited",
+            retry_after_s=max(1, math.ceil(retry_ms / 1000.0)),
+        )
+    if verdict == Verdict.TENANT_QUEUE_FULL:
+        return ApiError(
+            429,
+            f"this key holds its share of the queue (position {position}); retry when its requests are answered",
+            "tenant_queue_full",
+            retry_after_s=admission.retry_after_s(position, budget_ms, capacity, limits),
+        )
     if verdict == Verdict.NO_REPLICA:
         return ApiError(503, "no replica serves this model right now", "no_replica", retry_after_s=1)
     if verdict == Verdict.TOO_SHORT:

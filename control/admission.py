@@ -5,6 +5,14 @@ budget; Redis then admits the request atomically only if its position in the
 queue (paid requests wait behind paid ones, free behind everything) is within
 it. Beyond it the answer is 429 now, not a slow 504; a budget shorter than one
 batch can never be met, and is answered 504 at once.
+
+Within a tier, keys (tenants) share: each key has a token bucket (a rate and a burst,
+per tier) and may hold at most a share of the queue its request may wait behind. A key's
+queued requests up to its fair depth (`fair_batches` batches) keep their place in line;
+beyond it a request waits in the tier's second list, behind every other key's requests of
+the tier (the replicas pop that list only when the first is empty), so a key that floods
+its tier delays itself, not the others. The admission script (api/gateway.py) applies
+`decide` to the counts it reads, atomically with the enqueue.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ class Verdict(IntEnum):
     OVERLOADED = 1  # 429: retry later
     TOO_SHORT = 2  # 504: the budget is below one batch
     NO_REPLICA = 3  # 503
+    TENANT_RATE_LIMITED = 4  # 429: the key's own rate
+    TENANT_QUEUE_FULL = 5  # 429: the key holds its share of the queue
 
 
 def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
@@ -133,3 +143,82 @@ def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: L
     """When a refused request could expect to fit: a slot drains every batch_ms / replicas."""
     excess = math.ceil(position / capacity.max_batch) - max_slots(budget_ms, capacity, limits)
     return max(1, math.ceil(excess * capacity.batch_ms / capacity.num_replicas / 1000.0))
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What one key of a tier may have: settings, per tier."""
+
+    rate_per_s: float = 0.0  # admitted requests per second (0: no limit)
+    burst: float = 0.0  # the bucket's size (0: one second of the rate)
+    share: float = 0.5  # of the queue a request of its budget may wait behind
+    fair_batches: float = 1.0  # queued requests that keep their place, in batches
+
+    @property
+    def bucket(self) -> float:
+        return self.burst or max(1.0, self.rate_per_s)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One key's limits for a request of a given budget, as the admission script takes them."""
+
+    fair_depth: int  # the key's queued requests that keep their place in line
+    max_queued: int  # the most queued requests the key may hold (429 beyond)
+    deepest_behind: int  # the deepest position for a request behind other keys' ones
+
+
+@dataclass(frozen=True)
+class Depths:
+    """Requests waiting in a model's four lists: each tier, in line and behind."""
+
+    paid: int = 0
+    paid_behind: int = 0
+    free: int = 0
+    free_behind: int = 0
+
+
+def tenant_limits(deepest: int, capacity: Capacity, policy: TenantPolicy) -> TenantLimits:
+    """A key's share of the queue for a request whose deepest admissible position is `deepest`.
+
+    A request behind other keys' ones is admitted to the same depth: the lists in line
+    overtake it only while other keys have requests there, which their rate bounds."""
+    fair = max(1, math.ceil(policy.fair_batches * capacity.max_batch))
+    return TenantLimits(
+        fair_depth=fair,
+        max_queued=max(1, math.floor(policy.share * deepest)),
+        deepest_behind=deepest,
+    )
+
+
+def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:
+    """1-based queue position of a new request in its list: paid lists before free ones, a
+    tier's list of keys in line before its list of requests behind them."""
+    if tier == "paid":
+        return depths.paid + 1 + (depths.paid_behind if behind else 0)
+    ahead = depths.paid + depths.paid_behind + depths.free
+    return ahead + 1 + (depths.free_behind if behind else 0)
+
+
+def take_token(tokens: float, counted_ms: float, now_ms: float, policy: TenantPolicy) -> tuple[float, float]:
+    """Refill a key's bucket to `now_ms`: (tokens now, ms until one token is there: 0 if one is).
+
+    A clock that reads earlier than the last count (another gateway's) refills nothing."""
+    if policy.rate_per_s <= 0:
+        return policy.bucket, 0.0
+    elapsed = max(0.0, now_ms - counted_ms)
+    level = min(policy.bucket, tokens + elapsed * policy.rate_per_s / 1000.0)
+    wait = 0.0 if level >= 1.0 else (1.0 - level) * 1000.0 / policy.rate_per_s
+    return level, wait
+
+
+def decide(tier: Tier, queued: int, depths: Depths, deepest: int, limits: TenantLimits) -> tuple[Verdict, bool, int]:
+    """(verdict, behind, position) of a request whose key holds `queued` requests in the
+    tier's queue (the script's rule; the rate is checked before it)."""
+    behind = queued >= limits.fair_depth
+    position = lane_position(tier, depths, behind)
+    if position > (limits.deepest_behind if behind else deepest):
+        return (Verdict.TENANT_QUEUE_FULL if behind else Verdict.OVERLOADED), behind, position
+    if queued >= limits.max_queued:
+        return Verdict.TENANT_QUEUE_FULL, behind, position
+    return Verdict.ADMIT, behind, position

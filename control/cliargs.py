@@ -108,7 +108,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "whatever the answers take; a report per tier, per model and per time window."
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (http://host:port, or .../v1)")
-    p.add_argument("--rps", type=float, required=True, help="requests a second (the peak for diurnal)")
+    p.add_argument(
+        "--rps", type=float, default=None, help="requests a second (the peak for diurnal); not with --tenant"
+    )
     p.add_argument("--duration", type=float, required=True, help="seconds")
     p.add_argument(
         "--arrivals",
@@ -140,6 +142,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, help="the arrivals, tiers and models drawn")
     p.add_argument("--window-s", type=float, default=5.0, help="report p50/p99 per window of this many seconds")
     p.add_argument("--slo-ms", type=float, default=None, help="say from when each model's p99 per window held it")
+    p.add_argument(
+        "--tenant",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="one key's own load, reported apart (repeat for several; instead of --rps): "
+        "name=N,key=K,rps=R[,deadline-ms=D][,prompt-chars=C][,from-s=S][,for-s=S] (key=- sends no key)",
+    )
     p.add_argument("--json", default=None, help="write the report and every request here")
     p.add_argument("--plot", default=None, help="draw latency, offered rate and answers other than 200 over time (PNG)")
 

@@ -62,6 +62,18 @@ local function done_parts(done)
   return done:sub(1, a - 1), done:sub(a + 1)
 end
 
+-- A tier's waiting set of requests in line, from either of its waiting sets.
+local function in_line(waiting)
+  local behind = 'BEHIND_SUFFIX'
+  if waiting:sub(-#behind) == behind then return waiting:sub(1, #waiting - #behind) end
+  return waiting
+end
+
+-- A tenant's share of its tier's queue (requests in either list), by deadline.
+local function tenant_set(waiting, tenant)
+  return in_line(waiting) .. ':t:' .. tenant
+end
+
 -- `gateways`: the comma-separated ids of every gateway process with a connection waiting.
 local function notify(gateways, item)
   for gateway in string.gmatch(gateways, '[^,]+') do
@@ -111,7 +123,9 @@ local function cancel(key, reason, tenant, attempt, holder)
   end
   redis.call('SET', P .. 'cancel:' .. att, reason, 'PX', CANCEL_TTL_MS)
   redis.call('DEL', P .. 'req:' .. key)
-  redis.call('ZREM', waiting, att)
+  redis.call('ZREM', in_line(waiting), att)  -- a re-queued request waits in line, whichever list it left
+  redis.call('ZREM', in_line(waiting) .. 'BEHIND_SUFFIX', att)
+  redis.call('ZREM', tenant_set(waiting, who), att)
   notify(gateways, cjson.encode({kind = 'cancelled', id = att, reason = reason}))
   return 1
 end
@@ -127,6 +141,7 @@ end
 """.replace("PREFIX", p.PREFIX)
     .replace("REPLY_TTL_S", str(p.REPLY_TTL_S))
     .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
+    .replace("BEHIND_SUFFIX", p.BEHIND_SUFFIX)
 )
 
 # A request whose replica died this many times is a likely cause, not a victim: it ends 504.
@@ -149,7 +164,7 @@ local function sweep(holder, min_ms)
     local waiting, key, message = rec:sub(b + 1, c - 1), rec:sub(c + 1, d - 1), rec:sub(d + 1)
     local owner = redis.call('GET', P .. 'req:' .. key)
     if owner then
-      local _, _, _, att = owner_parts(owner)
+      local _, _, who, att = owner_parts(owner)
       local claim = redis.call('GET', P .. 'claim:' .. id)
       if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
         -- answered or retried under another attempt, or running on a live replica
@@ -158,6 +173,7 @@ local function sweep(holder, min_ms)
         redis.call('DEL', P .. 'claim:' .. id)
         redis.call('RPUSH', queue, message)  -- the consumer pops from the right: the front
         redis.call('ZADD', waiting, deadline, id)
+        redis.call('ZADD', tenant_set(waiting, who), deadline, id)
         requeued = requeued + 1
       else
         expired = expired + cancel(key, 'expired', '', id, '')
@@ -251,10 +267,10 @@ for i = 2, #ARGV, 7 do
   local att, key, queue, waiting = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local deadline, received, message = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5]), ARGV[i + 6]
   local owner = redis.call('GET', P .. 'req:' .. key)
-  local live = false
+  local live, who = false, ''
   if owner then
-    local _, _, _, owner_att = owner_parts(owner)
-    live = owner_att == att and redis.call('EXISTS', P .. 'claim:' .. att) == 0
+    local _, _, tenant, owner_att = owner_parts(owner)
+    live, who = owner_att == att and redis.call('EXISTS', P .. 'claim:' .. att) == 0, tenant
   end
   if live then
     for _, holder in ipairs(holders) do
@@ -268,6 +284,7 @@ for i = 2, #ARGV, 7 do
       redis.call('PEXPIRE', P .. 'requeued:' .. att, deadline - now + 1000)
       redis.call('RPUSH', queue, message)
       redis.call('ZADD', waiting, deadline, att)
+      redis.call('ZADD', tenant_set(waiting, who), deadline, att)
       rescued = rescued + 1
     end
   end

@@ -11,7 +11,9 @@ the run), drawn as a non-homogeneous Poisson process by thinning; `typing`: user
 typing sessions (`control.workloads.typing_sessions`, the simulator's process), each
 request sent with its session's `X-Session-Id` so that it supersedes the one before.
 The whole schedule is drawn before the run from the seed (`schedule`). Requests go to a
-mix of models that can move from one mix to another during the run (`mix_at`).
+mix of models that can move from one mix to another during the run (`mix_at`). Several
+tenants (`TenantLoad`: a key each, its own rate, budget, prompt size and time window) run
+side by side with `generate_tenants`; the report then has a row per tenant.
 """
 
 from __future__ import annotations
@@ -439,6 +441,104 @@ async def run_spec(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
         client.close()
 
 
+@dataclass(frozen=True)
+class TenantLoad:
+    """One key's own open-loop load within a run (its records' `tier` is its name)."""
+
+    name: str
+    key: str | None  # None: no Authorization header (anonymous)
+    rps: float
+    deadline_ms: float | None = None
+    prompt_chars: int = 0  # 0: the short default prompts
+    from_s: float = 0.0  # starts this long into the run
+    for_s: float | None = None  # and lasts this long (default: to the end)
+
+    def __post_init__(self) -> None:
+        if not self.name or self.rps <= 0 or self.prompt_chars < 0 or self.from_s < 0:
+            raise ValueError(f"tenant {self.name!r}: a name, a rate above 0, sizes and times of 0 or more")
+        if self.for_s is not None and self.for_s <= 0:
+            raise ValueError(f"tenant {self.name!r}: for-s must be above 0")
+
+
+_TENANT_FIELDS = {"name", "key", "rps", "deadline-ms", "prompt-chars", "from-s", "for-s"}
+
+
+def parse_tenant(text: str) -> TenantLoad:
+    """ "name=flood,key=K,rps=96,deadline-ms=30000,prompt-chars=32000" -> TenantLoad (key=-: none)."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in _TENANT_FIELDS or name in fields:
+            raise ValueError(
+                f"a tenant is name=N,key=K,rps=R[,deadline-ms=D][,prompt-chars=C][,from-s=S][,for-s=S]: {text!r}"
+            )
+        fields[name] = value
+    if not {"name", "key", "rps"} <= fields.keys():
+        raise ValueError(f"a tenant needs name, key and rps: {text!r}")
+    try:
+        return TenantLoad(
+            fields["name"],
+            None if fields["key"] == "-" else fields["key"],
+            float(fields["rps"]),
+            float(fields["deadline-ms"]) if "deadline-ms" in fields else None,
+            int(fields.get("prompt-chars", "0")),
+            float(fields.get("from-s", "0")),
+            float(fields["for-s"]) if "for-s" in fields else None,
+        )
+    except ValueError as exc:
+        raise ValueError(f"tenant {text!r}: {exc}") from None
+
+
+def tenant_prompt(chars: int, i: int) -> str:
+    """A code prompt of exactly `chars` characters (distinct per request)."""
+    head = f"# request {i}\n"
+    body = (_PROMPTS[i % len(_PROMPTS)] + "pass\n") * (chars // 20 + 1)
+    return (head + body)[:chars]
+
+
+def tenant_spec(base: LoadSpec, tenant: TenantLoad, seed: int) -> LoadSpec:
+    """The LoadSpec of one tenant: the run's URL, model and length, the tenant's key and rate."""
+    duration = min(tenant.for_s or base.duration_s, max(1e-3, base.duration_s - tenant.from_s))
+    bodies = None
+    if tenant.prompt_chars:
+        bodies = [{"prompt": tenant_prompt(tenant.prompt_chars, i), "max_tokens": base.max_tokens} for i in range(16)]
+    return LoadSpec(
+        base.url,
+        tenant.rps,
+        duration,
+        base.model,
+        paid_share=0.0,
+        api_key=tenant.key,
+        free_key=None,
+        max_tokens=base.max_tokens,
+        seed=seed,
+        deadline_ms=tenant.deadline_ms,
+        bodies=bodies,
+    )
+
+
+def generate_tenants(base: LoadSpec, tenants: list[TenantLoad], show_progress: bool = False) -> list[Record]:
+    """Every tenant's load side by side on one event loop; each record's `tier` is its
+    tenant's name and its `sent_s` counts from the start of the whole run."""
+
+    async def run_all() -> list[Record]:
+        t0 = time.perf_counter()
+        specs = [tenant_spec(base, t, base.seed + 10 * k) for k, t in enumerate(tenants)]
+        for spec, t in zip(specs, tenants, strict=True):
+            spec.start_at = t0 + t.from_s
+        runs = await asyncio.gather(*(run_spec(spec, show_progress=False) for spec in specs))
+        records = []
+        for tenant, rs in zip(tenants, runs, strict=True):
+            for r in rs:
+                r.tier, r.sent_s = tenant.name, r.sent_s + tenant.from_s
+            records.extend(rs)
+        return records
+
+    del show_progress  # one bar per tenant would fight over the terminal
+    with collector_paused():
+        return uvloop.run(run_all())
+
+
 def generate(spec: LoadSpec, show_progress: bool = True) -> list[Record]:
     """Run the load on uvloop: the client shares the cores with what it measures, so
     the cheaper its event loop the less it disturbs the figures."""
@@ -478,6 +578,7 @@ def summarize(records: list[Record], duration_s: float | None = None) -> dict[st
             "other": sum(r.status not in (200, 429, 504) and not r.is_superseded for r in rs),
             "no_answer": sum(r.status == 0 for r in rs),
             "statuses": _outcomes(rs),
+            "codes": _codes(rs),
             "sent_rps": len(rs) / seconds,
             "ok_rps": len(ok) / seconds,
             "p50_ms": percentile([r.latency_ms for r in ok], 50),
@@ -497,6 +598,15 @@ def summarize(records: list[Record], duration_s: float | None = None) -> dict[st
             "tokens_per_s": sum(r.completion_tokens for r in ok) / max(1e-9, max(r.answered_s for r in rs)),
         }
     return out
+
+
+def _codes(records: list[Record]) -> dict[str, int]:
+    """Answers by status and, for errors, their code ("429 tenant_queue_full")."""
+    counts: dict[str, int] = {}
+    for r in records:
+        name = f"{r.status} {r.code}" if r.status not in (0, 200) and r.code else r.outcome
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _outcomes(records: list[Record]) -> dict[str, int]:
@@ -719,12 +829,45 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
     )
 
 
+def _run_tenants(args: argparse.Namespace, spec: LoadSpec, tenants: list[TenantLoad]) -> int:
+    print(f"keybatch load: {len(tenants)} tenants for {spec.duration_s:g} s ...", file=sys.stderr)
+    records = generate_tenants(spec, tenants)
+    out = report(spec, records, args.window_s, args.slo_ms)
+    who = "; ".join(f"{t.name} {t.rps:g} req/s" + (f" {t.deadline_ms:g} ms" if t.deadline_ms else "") for t in tenants)
+    print_summary(f"keybatch load by tenant, {spec.duration_s:g} s: {who}", out["summary"], label="tenant")
+    print_statuses(out["summary"])
+    if args.plot:
+        plot(out, args.plot, who)
+    if args.json:
+        with open(args.json, "w") as fh:
+            tenants_json = [asdict(t) for t in tenants]
+            json.dump(
+                {"spec": asdict(spec), "tenants": tenants_json, **out, "records": [asdict(r) for r in records]}, fh
+            )
+    return 0
+
+
+def print_statuses(summary: dict[str, dict[str, Any]]) -> None:
+    """Each row's answers by status and error code (429 tenant_queue_full apart from overloaded)."""
+    for name, row in summary.items():
+        print(f"{name}: " + ", ".join(f"{k}: {v}" for k, v in row["codes"].items()))
+
+
 def run_load(args: argparse.Namespace) -> int:
     try:
+        tenants = [parse_tenant(t) for t in args.tenant or []]
+        if tenants and args.rps is not None:
+            raise ValueError("--tenant gives each key its rate: it takes no --rps")
+        if tenants:
+            args.rps = sum(t.rps for t in tenants)
+        elif args.rps is None:
+            raise ValueError("--rps (or --tenant) is required")
         spec = spec_from_args(args)
     except ValueError as exc:
         print(f"keybatch load: {exc}", file=sys.stderr)
         return 2
+    if tenants:
+        return _run_tenants(args, spec, tenants)
     records = generate(spec)
     out = report(spec, records, args.window_s, args.slo_ms)
     mix = ", ".join(f"{m} {s:.0%}" for m, s in (spec.models or {spec.model: 1.0}).items())

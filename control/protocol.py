@@ -22,8 +22,11 @@ PREFIX = HASH_TAG
 TASK_NAME = "keybatch.complete"
 REPLICAS_KEY = f"{PREFIX}:replicas"
 PAID_PRIORITY = 0  # kombu's Redis transport serves lower numbers first
-FREE_PRIORITY = 9
-PRIORITY_STEPS = [PAID_PRIORITY, FREE_PRIORITY]
+FREE_PRIORITY = 6
+# A tier's requests beyond their key's fair depth wait in a list of their own, served
+# after the tier's others (and paid ones still before any free one): control/admission.py.
+BEHIND_STEP = 3
+PRIORITY_STEPS = [PAID_PRIORITY, PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY, FREE_PRIORITY + BEHIND_STEP]
 PRIORITY_SEP = ":"  # kombu's `sep` transport option: "<queue><sep><priority>"
 HOLDERS_KEY = f"{PREFIX}:holders"  # replicas that may hold requests (see control/failover.py)
 WASTED_KEY = f"{PREFIX}:stats:wasted"  # results that found their request answered or gone
@@ -40,9 +43,15 @@ def priority_of(tier: Tier) -> int:
     return PAID_PRIORITY if tier == "paid" else FREE_PRIORITY
 
 
-def queue_key(model: str, tier: Tier) -> str:
-    """The Redis list kombu's Redis transport keeps a queue's messages of one priority in."""
-    priority = priority_of(tier)
+def is_behind(priority: object) -> bool:
+    """Does a message of this kombu priority wait behind other tenants' requests?"""
+    return priority in (PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY + BEHIND_STEP)
+
+
+def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
+    """The Redis list kombu's Redis transport keeps a queue's messages of one priority in
+    (`behind`: the tier's requests queued behind other keys' ones)."""
+    priority = priority_of(tier) + (BEHIND_STEP if behind else 0)
     return queue_name(model) if priority == 0 else f"{queue_name(model)}{PRIORITY_SEP}{priority}"
 
 
@@ -83,9 +92,30 @@ def session_key(session_id: str) -> str:
     return f"{PREFIX}:session:{session_id}"
 
 
-def waiting_key(model: str, tier: Tier) -> str:
-    """Sorted set of requests admitted but not yet in a batch, scored by deadline."""
-    return f"{PREFIX}:waiting:{model}:{tier}"
+def waiting_key(model: str, tier: Tier, behind: bool = False) -> str:
+    """Sorted set of requests admitted but not yet in a batch, scored by deadline (`behind`:
+    those in the tier's list behind other keys' requests)."""
+    return f"{PREFIX}:waiting:{model}:{tier}{BEHIND_SUFFIX if behind else ''}"
+
+
+BEHIND_SUFFIX = ":behind"
+
+
+def tenant_of(key: str) -> str:
+    """The tenant a request's key is scoped to ("<tenant>:<id>")."""
+    return key.partition(":")[0]
+
+
+def tenant_waiting_key(model: str, tier: Tier, tenant: str) -> str:
+    """Sorted set of one tenant's requests waiting in a model's tier (either list), scored
+    by deadline: the tenant's share of the queue. Named after the tier's waiting set, so the
+    scripts that hold only a request's waiting set and tenant find it (control/failover.py)."""
+    return f"{waiting_key(model, tier)}:t:{tenant}"
+
+
+def bucket_key(tier: Tier, tenant: str) -> str:
+    """Hash of one tenant's admission token bucket (tokens, when counted)."""
+    return f"{PREFIX}:bucket:{tier}:{tenant}"
 
 
 def idle_key(model: str) -> str:
@@ -130,6 +160,9 @@ class Job(BaseModel):
     received_ms: float  # when the gateway admitted it, epoch ms on the broker's clock
     deadline_ms: float  # after which nobody waits for it, on the broker's clock
     stream: bool = False
+    # Queued behind other tenants' requests of its tier (its tenant held its fair depth):
+    # told by the list it came from (its message's priority), not sent in the job itself.
+    behind: bool = False
 
 
 # expired: past its deadline; gone: the client hung up; retried: a retry on another

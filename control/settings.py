@@ -108,6 +108,28 @@ class Settings(BaseSettings):
     max_deadline_ms: float = Field(60_000.0, gt=0)
     max_queue_paid: int = Field(4096, ge=1, description="most paid requests waiting per model")
     max_queue_free: int = Field(2048, ge=1, description="most free requests waiting per model")
+    # Per key (tenant), by tier: control/admission.py.
+    tenant_rate_paid: float = Field(0.0, ge=0, description="requests/s one paid key may have admitted (0: no limit)")
+    tenant_rate_free: float = Field(0.0, ge=0, description="requests/s one free key may have admitted (0: no limit)")
+    tenant_burst_paid: float = Field(0.0, ge=0, description="paid key's token bucket size (0: one second of its rate)")
+    tenant_burst_free: float = Field(0.0, ge=0, description="free key's token bucket size (0: one second of its rate)")
+    tenant_share_paid: float = Field(
+        1.0, gt=0, le=1, description="share of a paid request's admissible queue one paid key may hold"
+    )
+    tenant_share_free: float = Field(
+        0.5, gt=0, le=1, description="share of a free request's admissible queue one free key may hold"
+    )
+    tenant_fair_batches: float = Field(
+        1.0,
+        gt=0,
+        description="a key's queued requests up to this many batches keep their place; the rest wait behind others",
+    )
+    max_message_kb_paid: int = Field(
+        256, ge=1, description="most KiB one queued paid request may take in the broker (its task message; 413 beyond)"
+    )
+    max_message_kb_free: int = Field(
+        64, ge=1, description="most KiB one queued free request may take in the broker (its task message; 413 beyond)"
+    )
 
     # Replica registry.
     heartbeat_s: float = Field(1.0, gt=0)

@@ -97,8 +97,9 @@ def read_traffic(client: redis.Redis, models: list[str], window_s: int = 10) -> 
         pipe.hgetall(traffic_key(s))
     pairs = [(m, t) for m in models for t in TIERS]
     for model, tier in pairs:
-        pipe.zcount(p.waiting_key(model, tier), now_ms, "+inf")
-        pipe.lindex(p.queue_key(model, tier), -1)  # kombu pops from the right: the oldest
+        for behind in (False, True):  # in line, and behind other tenants' requests
+            pipe.zcount(p.waiting_key(model, tier, behind), now_ms, "+inf")
+            pipe.lindex(p.queue_key(model, tier, behind), -1)  # kombu pops from the right: the oldest
     replies = pipe.execute()
     buckets, rest = replies[:window_s], replies[window_s:]
     totals: Counter[str] = Counter()
@@ -106,14 +107,14 @@ def read_traffic(client: redis.Redis, models: list[str], window_s: int = 10) -> 
         for k, v in h.items():
             totals[k.decode()] += int(v)
     out = []
-    for (model, tier), queued, tail in zip(pairs, rest[::2], rest[1::2], strict=True):
+    for (model, tier), (queued, tail, queued_behind, tail_behind) in zip(pairs, _fours(rest), strict=True):
         lat = [totals[f"{model}|{tier}|lat{i}"] for i in range(len(LATENCY_BOUNDS_MS))]
         out.append(
             TierTraffic(
                 model=model,
                 tier=tier,
-                num_queued=int(queued),
-                oldest_ms=_age_ms(tail, now_ms),
+                num_queued=int(queued) + int(queued_behind),
+                oldest_ms=max(_age_ms(tail, now_ms), _age_ms(tail_behind, now_ms)),
                 arrival_rate=totals[arrival_field(model, tier)] / window_s,
                 completion_rate=totals[f"{model}|{tier}|done"] / window_s,
                 p50_ms=_percentile(lat, 0.5),
@@ -121,6 +122,10 @@ def read_traffic(client: redis.Redis, models: list[str], window_s: int = 10) -> 
             )
         )
     return out
+
+
+def _fours(replies: list) -> list[tuple]:
+    return [tuple(replies[i : i + 4]) for i in range(0, len(replies), 4)]
 
 
 def _age_ms(raw: bytes | None, now_ms: float) -> float:

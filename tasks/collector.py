@@ -9,6 +9,9 @@ replica late (a burst, a slow consumer) it still gathers the ones right behind
 instead of launching each alone, and the deadline term bounds the wait.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
+A request `behind` other tenants' ones (its tenant held its fair depth of the queue,
+control/admission.py) ranks after every request in line, whatever its age: a replica
+that pulled it while the lists in line were empty still runs a newer one in line first.
 
 Under heavy load replicas of a model that run back-to-back batches lock in phase:
 all of them start together, every T, and each request waits for the next common
@@ -25,6 +28,8 @@ from typing import Any
 
 from control.tiers import Tier
 
+BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
+
 
 @dataclass(slots=True)
 class Pending:
@@ -36,13 +41,14 @@ class Pending:
     deadline_ms: float  # when its client stops waiting
     payload: Any = None  # the job, for the glue
     arrived_ms: float = -1.0  # when it reached this replica's buffer (default: received_ms)
+    behind: bool = False  # queued behind other tenants' requests of its tier
 
     def __post_init__(self) -> None:
         if self.arrived_ms < 0:
             self.arrived_ms = self.received_ms
 
     def rank(self, paid_boost_ms: float) -> float:
-        return self.received_ms - (paid_boost_ms if self.tier == "paid" else 0.0)
+        return self.received_ms - (paid_boost_ms if self.tier == "paid" else 0.0) + (BEHIND_MS if self.behind else 0.0)
 
 
 @dataclass
@@ -76,6 +82,10 @@ class Collector:
     def num_free(self) -> int:
         """Free requests that a late paid one would displace from the next batch."""
         return min(self.config.max_batch, sum(p.tier == "free" for p in self.waiting))
+
+    def num_behind(self) -> int:
+        """Requests behind other tenants' ones that a late free one in line would displace."""
+        return min(self.config.max_batch, sum(p.behind for p in self.waiting))
 
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]

@@ -40,17 +40,17 @@ class TaskMessages:
             **self._properties,
             "correlation_id": job.id,
             "delivery_info": {"exchange": "", "routing_key": p.queue_name(job.model)},
-            "priority": p.priority_of(job.tier),
+            "priority": p.priority_of(job.tier) + (p.BEHIND_STEP if job.behind else 0),
             "body_encoding": None,
             "delivery_tag": job.id,  # unique while in flight; no acks are tracked (no_ack queues)
             "delivery_mode": 2,  # as send_task marks it (persistent); the Redis transport keeps it as is
         }
-        envelope = {
-            "body": f"[[{job.model_dump_json()}]{self._body_tail}",
+        envelope = {  # the properties first: `behind` finds the priority before any text
+            "properties": properties,
+            "body": f"[[{job.model_dump_json(exclude={'behind'})}]{self._body_tail}",
             "content-encoding": "utf-8",
             "content-type": "application/json",
             "headers": headers,
-            "properties": properties,
         }
         return orjson.dumps(envelope).decode()
 
@@ -62,4 +62,6 @@ def job_from_message(raw: bytes | str) -> p.Job:
     if envelope["properties"].get("body_encoding") == "base64":
         body = base64.b64decode(body)
     args, _kwargs, _embed = json.loads(body)
-    return p.Job.model_validate(args[0])
+    job = p.Job.model_validate(args[0])
+    job.behind = p.is_behind(envelope["properties"].get("priority"))
+    return job

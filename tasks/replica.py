@@ -27,7 +27,6 @@ from control import protocol as p
 from control.clock import BrokerClock, Clock
 from control.fleet import ENGINE_PREFIX
 from control.lifecycle import IllegalTransition, ReplicaState, can_transition, transition
-from control.tiers import Tier
 from tasks.collector import Collector, CollectorConfig, Pending
 from tasks.engine import Engine, Output, RequestError, StepOutput, run_batch
 from tasks.messages import job_from_message
@@ -302,7 +301,7 @@ class Replica:
 
     def _push_back(self, job: p.Job) -> bool:
         try:
-            self.redis.rpush(p.queue_key(job.model, job.tier), self.envelope(job))  # the end BRPOP pops
+            self.redis.rpush(p.queue_key(job.model, job.tier, job.behind), self.envelope(job))  # BRPOP's end
         except redis.RedisError:  # it runs here, a batch later; if the push did land (a timed-out
             return False  # reply), the claim at launch lets only one of the two copies run
         self.stats.num_handed_back += 1
@@ -341,7 +340,9 @@ class Replica:
             log.warning("could not record %d requests as held", len(jobs))
 
     def _pending(self, job: p.Job) -> Pending:
-        return Pending(job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms())
+        return Pending(
+            job.id, job.tier, job.received_ms, job.deadline_ms, Held(job), self.clock.now_ms(), behind=job.behind
+        )
 
     # -- the loop: wait, take, run, answer -------------------------------------
 
@@ -389,7 +390,7 @@ class Replica:
     # -- lease and held records (control/failover.py) ----------------------------------
 
     def _held_record(self, job: p.Job, message: str | None = None) -> str:
-        queue, waiting = p.queue_key(job.model, job.tier), p.waiting_key(job.model, job.tier)
+        queue, waiting = p.queue_key(job.model, job.tier, job.behind), p.waiting_key(job.model, job.tier, job.behind)
         return f"{job.deadline_ms:.0f}|{queue}|{waiting}|{job.key}|{message or self.envelope(job)}"
 
     def _lease_commands(self, pipe: redis.client.Pipeline) -> None:
@@ -421,9 +422,11 @@ class Replica:
         with self._cond:
             ids = self.collector.ids()
             room = self.collector.num_free() if self._is_taking() else 0
+            behind = self.collector.num_behind() if self._is_taking() else 0
         # One round trip: cancels for the whole buffer, and paid requests still in
-        # the queue that would otherwise ride behind free ones already buffered.
-        reasons, late_paid = self._cancels_and_paid(ids, room)
+        # the queue that would otherwise ride behind free ones already buffered (and
+        # free ones in line behind buffered requests of a tenant beyond its share).
+        reasons, late_paid = self._cancels_and_paid(ids, room, behind)
         with self._cond:
             now = self.clock.now_ms()
             dropped = self._sort_buffer(late_paid, reasons, now)
@@ -464,11 +467,7 @@ class Replica:
         }
         if late:  # paid requests taken straight from the queue at this launch
             pipe.hset(p.held_key(self.name), mapping=late)
-        by_tier: dict[Tier, list[str]] = defaultdict(list)
-        for pending in leaving:
-            by_tier[pending.tier].append(pending.id)
-        for tier, ids in by_tier.items():
-            pipe.zrem(p.waiting_key(self.model, tier), *ids)
+        self._leave_waiting(pipe, leaving)
         notices = [
             p.Dropped(id=pending.id, reason=reason, replica=self.name)
             for reason, group in dropped.items()
@@ -494,6 +493,18 @@ class Replica:
             self.stats.dropped[reason] += len(group)
             self.events.revoked(group, reason)
         return batch
+
+    def _leave_waiting(self, pipe: redis.client.Pipeline, leaving: list[Pending]) -> None:
+        """Out of the waiting sets admission counts: the tier's (in line or behind other
+        tenants', whichever list it came from) and its tenant's share."""
+        by_set: dict[str, list[str]] = defaultdict(list)
+        for pending in leaving:
+            job = held(pending).job
+            for behind in (False, True):
+                by_set[p.waiting_key(self.model, pending.tier, behind)].append(pending.id)
+            by_set[p.tenant_waiting_key(self.model, pending.tier, p.tenant_of(job.key))].append(pending.id)
+        for key, ids in by_set.items():
+            pipe.zrem(key, *ids)
 
     def _keep_claimed(self, batch: list[Pending], claimed: list[int]) -> list[Pending]:
         """A request another live replica claimed first (a re-queued copy) runs there."""
@@ -806,18 +817,22 @@ class Replica:
     def _cancel_reasons(self, ids: list[str]) -> dict[str, str]:
         return self._cancels_and_paid(ids, 0)[0]
 
-    def _cancels_and_paid(self, ids: list[str], room: int) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
-        if not ids and not room:
+    def _cancels_and_paid(
+        self, ids: list[str], room: int, behind: int = 0
+    ) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
+        if not ids and not room and not behind:
             return {}, []
         pipe = self.redis.pipeline(transaction=False)
         if ids:
             pipe.mget([p.cancel_key(i) for i in ids])
         if room:
             pipe.rpop(p.queue_key(self.model, "paid"), room)
+        if behind:
+            pipe.rpop(p.queue_key(self.model, "free"), behind)
         results = pipe.execute()
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
-        raws = (results[-1] or []) if room else []
+        raws = [raw for popped in results[1 if ids else 0 :] for raw in popped or []]
         jobs = []
         for raw in raws:
             try:

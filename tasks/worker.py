@@ -55,6 +55,7 @@ def batching_strategy(task: Task, app: Celery, consumer: Any, **_: Any) -> Any:
         try:
             args, _kwargs, _embed = message.decode()
             job = p.Job.model_validate(args[0])
+            job.behind = p.is_behind(message.properties.get("priority"))
         except (ValueError, TypeError, IndexError, ValidationError):
             log.warning("rejecting a malformed job message")
             return

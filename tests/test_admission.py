@@ -53,3 +53,30 @@ def test_rate_meter_follows_a_steady_rate() -> None:
         meter.add(i * 10.0)
     assert 90.0 <= meter.rate(3000.0) <= 110.0
     assert meter.rate(10_000.0) == 0.0
+
+
+def test_a_tenant_beyond_its_fair_depth_waits_behind_the_tier_and_is_capped_at_its_share() -> None:
+    from control.admission import Depths, TenantPolicy, decide, lane_position, tenant_limits
+
+    limits = tenant_limits(192, CAP, TenantPolicy(share=0.5, fair_batches=1.0))
+    assert (limits.fair_depth, limits.max_queued, limits.deepest_behind) == (64, 96, 192)
+    depths = Depths(paid=10, paid_behind=5, free=40, free_behind=80)
+    # In line: behind paid (both lists) and the free in line only, not the flood behind.
+    assert lane_position("free", depths, behind=False) == 56
+    assert lane_position("free", depths, behind=True) == 136
+    assert lane_position("paid", depths, behind=False) == 11
+    assert decide("free", 3, depths, 192, limits) == (Verdict.ADMIT, False, 56)
+    assert decide("free", 64, Depths(free=40, free_behind=160), 192, limits)[0] == Verdict.TENANT_QUEUE_FULL
+    assert decide("free", 64, Depths(free=40), 192, limits) == (Verdict.ADMIT, True, 41)
+    assert decide("free", 96, Depths(free=40), 192, limits)[0] == Verdict.TENANT_QUEUE_FULL
+    assert decide("free", 3, Depths(free=200), 192, limits)[0] == Verdict.OVERLOADED
+
+
+def test_a_token_bucket_refills_at_its_rate_up_to_its_size() -> None:
+    from control.admission import TenantPolicy, take_token
+
+    policy = TenantPolicy(rate_per_s=10.0, burst=5.0)
+    assert take_token(0.0, 0.0, 50.0, policy) == (0.5, 50.0)  # half a token: one in 50 ms more
+    assert take_token(0.0, 0.0, 10_000.0, policy) == (5.0, 0.0)  # no more than the bucket
+    assert take_token(2.0, 100.0, 50.0, policy) == (2.0, 0.0)  # another clock behind: no refill
+    assert take_token(0.0, 0.0, 0.0, TenantPolicy())[1] == 0.0  # no rate: no limit

@@ -119,15 +119,23 @@ class Scripts:
         self.rescue = strict(failover.RESCUE_LUA)
 
 
-def _admit(s: Scripts, key: str, attempt: str, gateway: str, session: str | None = None, keep_ms: int = 0) -> list:
+def _admit(
+    s: Scripts, key: str, attempt: str, gateway: str, session: str | None = None, keep_ms: int = 0, fair: int = 1000
+) -> list:
     """As the gateway calls it (api/gateway.py, Gateway._enqueue): keys and arguments."""
     waiting = p.waiting_key(MODEL, "paid")
     keys = [p.owner_key(key), waiting, p.waiting_key(MODEL, "free"), p.queue_key(MODEL, "paid")]
     if session:
         keys.append(p.session_key(session))
-    owner = f"{gateway}|{waiting}|t|{attempt}"
+    tenant = p.tenant_of(key)
+    owner = f"{gateway}|{waiting}|{tenant}|{attempt}"
     done = p.done_key(key) if keep_ms else ""
-    args = [owner, 60_000, 9e15, attempt, "paid", 100, 0, f"MSG-{attempt}", done, gateway, key]
+    message = f'{{"properties":{{"priority":0}},"body":"MSG-{attempt}"}}'
+    args: list = [owner, 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key, "kb-small|paid|in"]
+    behind_owner = f"{gateway}|{p.waiting_key(MODEL, 'paid', behind=True)}|{tenant}|{attempt}"
+    args += [p.waiting_key(MODEL, "paid", behind=True), p.waiting_key(MODEL, "free", behind=True)]
+    args += [p.queue_key(MODEL, "paid", behind=True), p.tenant_waiting_key(MODEL, "paid", tenant)]
+    args += [p.bucket_key("paid", tenant), behind_owner, 100, fair, 100, 100.0, 100.0, 8]
     return s.admit(keys=keys, args=args)  # type: ignore[no-any-return]
 
 
@@ -186,6 +194,10 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     cluster.set(p.owner_key("t:stale"), f"gw-1|{p.waiting_key(MODEL, 'paid')}|t|att-old", px=OWNER_SLACK_MS - 1)
     assert _admit(s, "t:stale", "att-new", "gw-1")[0] == 1
     assert cluster.get(p.cancel_key("att-old")) == b"expired"
+    # A tenant past its fair depth: behind the tier's others, its message saying so.
+    assert _admit(s, "u:x", "att-x", "gw-1", fair=0)[-1] == b"1"
+    assert b'"priority":3' in cluster.lindex(p.queue_key(MODEL, "paid", behind=True), 0)
+    assert cluster.zcard(p.tenant_waiting_key(MODEL, "paid", "u")) == 1
 
     # The replica: its lease, held records, claims, streamed text, delivery.
     cluster.set(p.lease_key("r1"), 1, px=60_000)
