@@ -108,6 +108,7 @@ class _Control:
         self.replica.stream_text(self.jobs[request_id], text)
 
     def end_step(self) -> None:
+        self.replica.engine_stepped()
         self.replica.flush_streams()
         self.replica.renew_lease_if_due()
 
@@ -863,21 +864,26 @@ class Replica:
 
     @contextmanager
     def _engine_running(self) -> Iterator[None]:
-        """The watchdog's window: the engine runs a batch (static) or a step (continuous).
-        Only the engine can hang here; waiting for work, the broker or an aborted request
-        cannot open it or leave it open."""
+        """The watchdog's window: the engine runs a step (a static batch reports each of
+        its steps, `engine_stepped`). Only the engine can hang here; waiting for work, the
+        broker or an aborted request cannot open it or leave it open."""
         self._engine_since = _monotonic_ms()
         try:
             yield
         finally:
             self._engine_since = None
 
+    def engine_stepped(self) -> None:
+        """A step of a static batch ended: the engine moves, however long its batch runs."""
+        if self._engine_since is not None:
+            self._engine_since = _monotonic_ms()
+
     def _engine_running_ms(self) -> float:
         since = self._engine_since  # read once: the loop thread clears it
         return 0.0 if since is None else _monotonic_ms() - since
 
     def _is_stalled(self) -> bool:
-        """A batch (or step) far past its expected time: the engine hangs."""
+        """A step far past the time of a whole batch: the engine hangs."""
         return self._engine_running_ms() > self.engine.expected_batch_ms() + self.stall_ms
 
     def _give_up_stalled(self) -> None:

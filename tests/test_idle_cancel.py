@@ -5,6 +5,7 @@ answered as usual. Both batching policies, on the fixed backend and the torch on
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
 # A stall is declared after two heartbeats past the expected batch time + STALL_MS:
 # short here, so a replica that would give up does so well within the wait below.
 STALL_MS, HEARTBEAT_S = 300, 0.2
+STOP_S = 0.2  # under STALL_MS: a pause, not a hang
 AUTH = {"Authorization": f"Bearer {FREE_KEY}"}
 # Long enough on the torch engine to be cut short; the fixed one takes 250 ms whatever it asks.
 BODY = {"model": MODEL, "prompt": "def hung_up(items):\n    ", "max_tokens": 256, "temperature": 0}
@@ -119,3 +121,34 @@ def test_a_step_that_hangs_still_ends_its_replica() -> None:
         hung = d.post({"model": MODEL, "prompt": "HANG"}, **{"X-Deadline-Ms": "3000"})
         assert hung.status_code in (503, 504)
         assert until(lambda: d.system.workers[0].poll() == 3, 10)
+
+
+def test_a_replica_stopped_mid_step_does_not_learn_the_stop_as_a_batch_cost(idle: Deployment) -> None:
+    """A pause the engine did not cause (the process stopped, starved of its core) lands in
+    one step's measured time; admission still admits the default budget afterwards."""
+    if idle.system.plan.backend != "hf":
+        pytest.skip("the fixed backend learns nothing")
+    worker = idle.system.workers[0]
+    name = replica_for(idle, worker.pid)
+    state = redis.Redis.from_url(idle.system.redis_url)
+    launched = state.zscore(p.launch_key(MODEL), name)
+    before = _batch_ms(state, name)
+    headers = {**AUTH, "X-Deadline-Ms": "20000"}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(requests.post, f"{idle.url}/v1/completions", json=BODY, headers=headers, timeout=30)
+        assert until(lambda: state.zscore(p.launch_key(MODEL), name) != launched, 10, 0.002)
+        for _ in range(3):  # some stop lands inside a forward
+            worker.send_signal(signal.SIGSTOP)
+            time.sleep(STOP_S)  # the pause is the fault injected, not a wait for a state
+            worker.send_signal(signal.SIGCONT)
+            time.sleep(STOP_S)  # it runs on between the pauses (the watchdog sees steps end)
+        answer.result(30)
+    assert until(lambda: requests.get(f"{idle.url}/readyz", timeout=5).status_code == 200, 10)
+    assert _batch_ms(state, name) < 3 * before  # the pauses were not learned as the cost of a step
+    default_budget = idle.post({**BODY, "max_tokens": 4})
+    assert default_budget.status_code == 200, default_budget.text
+
+
+def _batch_ms(state: redis.Redis, name: str) -> float:
+    """What the replica last published as the time of one batch (what admission reads)."""
+    return float(state.hget(p.replica_key(name), "batch_ms") or 0)

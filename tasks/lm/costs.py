@@ -52,17 +52,14 @@ class StepCosts:
         self.completion_tokens = completion_prior
         self.batch_completion_tokens = completion_prior
         self._decode: dict[int, Recent] = {}
-        self._recent = {
-            name: Recent()
-            for name in (
-                "prefill_ms_per_token",
-                "step_ms",
-                "prefill_tokens_per_step",
-                "prompt_tokens",
-                "completion_tokens",
-                "batch_completion_tokens",
-            )
-        }
+        self._recent = {name: Recent() for name in ("prefill_ms_per_token", "step_ms", "prefill_tokens_per_step")}
+        for name, prior in (
+            ("prompt_tokens", prompt_prior),
+            ("completion_tokens", completion_prior),
+            ("batch_completion_tokens", completion_prior),
+        ):
+            self._recent[name] = Recent()
+            self._recent[name].add(prior)  # a sample: the first request shifts the shape, not sets it
 
     def record_decode(self, batch: int, ms: float) -> None:
         bucket = batch_bucket(batch)
