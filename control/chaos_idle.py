@@ -121,7 +121,7 @@ def _status(url: str, timeout_s: float = 2.0) -> int:
 
 
 def _body(spec: IdleSpec) -> bytes:
-    return json.dumps({"model": spec.model, "prompt": "def on_keystroke(buffer):\n    ", "max_tokens": 64}).encode()
+    return json.dumps({"model": spec.model, "prompt": "def on_keystroke(buffer):\n    ", "max_tokens": 256}).encode()
 
 
 def _hang_up(target: Target, spec: IdleSpec, request_id: str) -> str:
