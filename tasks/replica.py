@@ -509,8 +509,9 @@ class Replica:
         except redis.RedisError:
             pass  # a stale held entry is swept harmlessly: the claim shows who runs it
         kept = [pd for pd, ok in zip(batch, claimed, strict=True) if ok]
-        if not kept:
+        if not kept and not self.engine.continuous:  # a continuous loop decides after its turn
             self.busy = False
+            self._rejoin_idle()  # `_settle` took it out of the idle list for a batch it does not run
         return kept
 
     def _execute(self, batch: list[Pending]) -> None:
