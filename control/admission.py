@@ -42,6 +42,19 @@ class Capacity:
         return self.per_round * 1000.0 / self.batch_ms
 
 
+def pooled_capacity(replicas: list[tuple[int, float]]) -> Capacity:
+    """What the ready replicas of one model, each given as (max_batch, batch_ms), serve
+    together. Their batch time is the one at which they serve what each serves at its own
+    (the harmonic mean): a replica that reports a slow batch (a cold start, a stall) counts
+    for its share of the model's rate, never for the whole, so one outlier does not make
+    admission refuse budgets the others meet. A time that is not positive says nothing."""
+    times = [ms for _batch, ms in replicas if ms > 0]
+    if not replicas:
+        return Capacity(0, 1, 1.0)
+    batch_ms = len(times) / sum(1.0 / ms for ms in times) if times else 1.0
+    return Capacity(len(replicas), min(batch for batch, _ms in replicas), batch_ms)
+
+
 @dataclass(frozen=True)
 class Limits:
     max_queue_paid: int

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -38,6 +38,7 @@ import redis
 import uvloop
 
 from control import protocol as p
+from control.chaos_idle import IdleSpec, print_idle, run_idle
 from control.credentials import credentials_path, read_operator_url
 from control.loadgen import LoadSpec, Record, percentile, run_spec
 from control.memory import collector_paused
@@ -85,9 +86,15 @@ class ChaosSpec:
     client_retries: int = 2
     spike: float = 3.0
     spike_s: float = 30.0
+    backend: str = "fixed"
+    policy: str = "static"
+    idle: IdleSpec | None = None  # client-hangup --idle: faults one at a time, no load
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:
+        idle = None
+        if args.idle:
+            idle = IdleSpec(args.hangups, args.cancels, args.every, HANGUP_MS, args.tail, model=MODEL, key=PAID_KEY)
         return cls(
             args.scenario,
             args.replicas,
@@ -101,9 +108,16 @@ class ChaosSpec:
             args.client_retries,
             args.spike,
             args.spike_s,
+            args.backend,
+            args.policy,
+            idle,
         )
 
     def problem(self) -> str | None:
+        if self.idle is not None:
+            if self.scenario != "client-hangup":
+                return "--idle is a variant of client-hangup only"
+            return self.idle.problem()
         if self.replicas < 1 or self.repeat < 1:
             return "--replicas and --repeat must be at least 1"
         if not 0 < self.load <= 10 or not 0 <= self.paid_share <= 1:
@@ -123,9 +137,17 @@ class Deployment:
     descendants each time they are needed (a supervisor may have replaced them)."""
 
     def __init__(
-        self, name: str, replicas: int, env: dict[str, str], cwd: str | None = None, models: Sequence[str] = (MODEL,)
+        self,
+        name: str,
+        replicas: int,
+        env: dict[str, str],
+        cwd: str | None = None,
+        models: Sequence[str] = (MODEL,),
+        backend: str = "fixed",
+        policy: str = "static",
     ) -> None:
         self.name = name
+        self.backend, self.policy = backend, policy
         self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
         self.models = list(models)  # `up --models`: its replicas go round robin over this list
@@ -138,7 +160,7 @@ class Deployment:
         os.close(fd)
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "control", "up", "--backend", "fixed", "--policy", "static"]
+        cmd = [sys.executable, "-m", "control", "up", "--backend", self.backend, "--policy", self.policy]
         cmd += ["--workers", str(self.replicas_wanted)]
         cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
@@ -181,6 +203,9 @@ class Deployment:
         """(replica name, process), sorted by name so a seed picks the same victim."""
         found = [(_arg(proc, "--name"), proc) for proc in self.descendants() if _role(proc) == "replica"]
         return sorted(((name or str(proc.pid), proc) for name, proc in found), key=lambda pair: pair[0])
+
+    def replica_pids(self) -> list[int]:
+        return [proc.pid for _name, proc in self.replicas()]
 
     def gateway_workers(self) -> list[psutil.Process]:
         """The gateway's worker processes: gateway processes whose parent is one too."""
@@ -323,7 +348,7 @@ def _child_env(**settings: str) -> dict[str, str]:
 def _plan(spec: ChaosSpec) -> list[Deployment]:
     """The deployments, the one under load first."""
     if spec.scenario != "region-loss":
-        return [Deployment("main", spec.replicas, _child_env())]
+        return [Deployment("main", spec.replicas, _child_env(), backend=spec.backend, policy=spec.policy)]
     b = Deployment("b", spec.replicas, _child_env(region="b"))
     a = Deployment("a", spec.replicas, _child_env(region="a", peers=json.dumps([b.url])))
     return [a, b]
@@ -765,6 +790,11 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     _raise_fd_limit()
     deployments = _plan(spec)
+    if spec.idle is not None:
+        idle = spec.idle
+        if idle.tail_s is None:  # long enough for a replica's stall watchdog to act, if it would
+            idle = replace(idle, tail_s=(settings.batch_ms + settings.stall_ms) / 1000 + 3 * settings.heartbeat_s + 1)
+        return _run_idle(deployments[0], spec, idle, args.json)
     capacity = spec.replicas * settings.max_batch * 1000.0 / settings.batch_ms
     try:
         _start(deployments, spec.replicas)
@@ -790,6 +820,21 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
     return _finish(report, args.json)
 
 
+def _run_idle(deployment: Deployment, spec: ChaosSpec, idle: IdleSpec, json_path: str | None) -> int:
+    try:
+        _start([deployment], spec.replicas)
+        report = run_idle(deployment, idle)
+    except ChaosError as exc:
+        print(f"keybatch chaos: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        stop = deployment.stop()
+    report.update(backend=spec.backend, policy=spec.policy, replicas=spec.replicas, deployments=[stop])
+    report["logs"] = [deployment.log_path]
+    print_idle(report)
+    return _save(report, json_path)
+
+
 def _start(deployments: list[Deployment], replicas: int) -> None:
     for d in deployments:
         started = time.monotonic()
@@ -799,8 +844,12 @@ def _start(deployments: list[Deployment], replicas: int) -> None:
 
 
 def _finish(report: dict, json_path: str | None) -> int:
-    """Print, save, and keep the deployments' logs only when the run failed."""
     _print(report)
+    return _save(report, json_path)
+
+
+def _save(report: dict, json_path: str | None) -> int:
+    """Save, and keep the deployments' logs only when the run failed."""
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -189,6 +189,19 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
         default=2,
         help="a client whose connection breaks resends with the same X-Request-Id (joins the request)",
     )
+    p.add_argument("--backend", choices=["fixed", "hf"], default="fixed", help="the replicas' engine (`up --backend`)")
+    p.add_argument("--policy", choices=["static", "continuous"], default="static", help="`up --policy`")
+    idle = p.add_argument_group("client-hangup --idle: one fault at a time on an idle deployment, no load")
+    idle.add_argument("--idle", action="store_true", help="hang-ups and cancels alternately, nothing else running")
+    idle.add_argument("--hangups", type=int, default=100, help="clients that hang up 100 ms after sending")
+    idle.add_argument("--cancels", type=int, default=100, help="clients that cancel (DELETE) 100 ms after sending")
+    idle.add_argument("--every", type=float, default=0.5, help="seconds from one fault to the next")
+    idle.add_argument(
+        "--tail",
+        type=float,
+        default=None,
+        help="quiet seconds after the last fault, then a request per replica (default: what the stall watchdog needs)",
+    )
     p.add_argument("--json", default=None, help="write the report here")
 
 

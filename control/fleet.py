@@ -17,7 +17,7 @@ from typing import cast
 import redis
 
 from control import protocol as p
-from control.admission import Capacity
+from control.admission import Capacity, pooled_capacity
 from control.lifecycle import ReplicaState, parse
 
 log = logging.getLogger(__name__)
@@ -136,11 +136,7 @@ def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
 
 
 def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
-    ready = [r for r in fleet if r.model == model and r.is_ready]
-    if not ready:
-        return Capacity(0, 1, 1.0)
-    # Replicas of one model share a batch size and time; take the slowest to be safe.
-    return Capacity(len(ready), min(r.max_batch for r in ready), max(r.batch_ms for r in ready))
+    return pooled_capacity([(r.max_batch, r.batch_ms) for r in fleet if r.model == model and r.is_ready])
 
 
 class FleetView:

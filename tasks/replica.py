@@ -15,7 +15,8 @@ import socket
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -106,6 +107,7 @@ class _Control:
         self.replica.stream_text(self.jobs[request_id], text)
 
     def end_step(self) -> None:
+        self.replica.engine_stepped()
         self.replica.flush_streams()
         self.replica.renew_lease_if_due()
 
@@ -157,6 +159,7 @@ class Replica:
         self.why_not_ready = ""
         self._renew_at_ms = 0.0  # monotonic
         self._batch_started = 0.0  # monotonic ms of the running batch's start
+        self._engine_since: float | None = None  # monotonic ms the engine's batch or step began; None between
         self._loop_times = [0.0, 0]  # continuous: ms spent in turns of the loop that stepped, and those turns
         self._arrivals = threading.Condition()
         self._unrecorded: list[p.Job] = []  # taken from the queue, not yet in the held hash
@@ -517,8 +520,9 @@ class Replica:
         except redis.RedisError:
             pass  # a stale held entry is swept harmlessly: the claim shows who runs it
         kept = [pd for pd, ok in zip(batch, claimed, strict=True) if ok]
-        if not kept:
+        if not kept and not self.engine.continuous:  # a continuous loop decides after its turn
             self.busy = False
+            self._rejoin_idle()  # `_settle` took it out of the idle list for a batch it does not run
         return kept
 
     def _execute(self, batch: list[Pending]) -> None:
@@ -526,7 +530,8 @@ class Replica:
         self.events.started(batch)
         self.stats.last_batch_size = len(batch)  # shown while it runs
         start = self.clock.now_ms()
-        outputs = self._run_isolating(jobs, _Control(self, batch))
+        with self._engine_running():
+            outputs = self._run_isolating(jobs, _Control(self, batch))
         end = self.clock.now_ms()
         self.perf.add(self._batch_started, _monotonic_ms())
         self._answer(jobs, outputs, start, end)
@@ -656,10 +661,22 @@ class Replica:
                     self._step()
                     self._loop_times[0] += _monotonic_ms() - started
                     self._loop_times[1] += 1
+                self._idle_if_empty()
             except Exception:  # Redis away, a bad message: never let the loop die
                 log.exception("continuous loop error; %d requests running", len(self._joined))
                 self._fail_running()
                 self._stopped.wait(0.1)
+
+    def _idle_if_empty(self) -> None:
+        """The engine holds nothing, whatever emptied it (the last request finished, was
+        cancelled or expired, lost its claim or was refused): the replica is idle."""
+        if not self.busy or self.engine.has_unfinished() or self._joined:
+            return
+        with self._cond:
+            self.busy = False
+        pipe = self.redis.pipeline(transaction=False)
+        self._mark_idle(pipe)
+        pipe.execute()
 
     def _wait_for_work(self) -> bool:
         """Block until there is a step to run, a request to admit or a lease to renew;
@@ -757,7 +774,8 @@ class Replica:
     def _step(self) -> None:
         self._batch_started = _monotonic_ms()
         num_running = len(self._joined)
-        outputs = self.engine.step()
+        with self._engine_running():
+            outputs = self.engine.step()
         self.perf.add(self._batch_started, _monotonic_ms())
         finished: list[tuple[Pending, StepOutput]] = []
         for out in outputs:
@@ -771,12 +789,6 @@ class Replica:
         self.flush_streams()
         if finished:
             self._answer_finished(finished, num_running)
-        if not self.engine.has_unfinished():
-            with self._cond:
-                self.busy = False
-            pipe = self.redis.pipeline(transaction=False)
-            self._mark_idle(pipe)
-            pipe.execute()
         self.wake()
 
     def _answer_finished(self, finished: list[tuple[Pending, StepOutput]], num_running: int) -> None:
@@ -866,16 +878,36 @@ class Replica:
             except redis.RedisError:
                 log.warning("heartbeat failed")
 
+    @contextmanager
+    def _engine_running(self) -> Iterator[None]:
+        """The watchdog's window: the engine runs a step (a static batch reports each of
+        its steps, `engine_stepped`). Only the engine can hang here; waiting for work, the
+        broker or an aborted request cannot open it or leave it open."""
+        self._engine_since = _monotonic_ms()
+        try:
+            yield
+        finally:
+            self._engine_since = None
+
+    def engine_stepped(self) -> None:
+        """A step of a static batch ended: the engine moves, however long its batch runs."""
+        if self._engine_since is not None:
+            self._engine_since = _monotonic_ms()
+
+    def _engine_running_ms(self) -> float:
+        since = self._engine_since  # read once: the loop thread clears it
+        return 0.0 if since is None else _monotonic_ms() - since
+
     def _is_stalled(self) -> bool:
-        """A batch far past its expected time: the engine hangs."""
-        return self.busy and _monotonic_ms() - self._batch_started > self.engine.expected_batch_ms() + self.stall_ms
+        """A step far past the time of a whole batch: the engine hangs."""
+        return self._engine_running_ms() > self.engine.expected_batch_ms() + self.stall_ms
 
     def _give_up_stalled(self) -> None:
         """Say so, then exit: the lease lapses, the held requests are re-queued
         elsewhere, and the supervisor starts a fresh replica."""
         log.error(
             "batch running %.0f ms (expected %.0f): restarting",
-            _monotonic_ms() - self._batch_started,
+            self._engine_running_ms(),
             self.engine.expected_batch_ms(),
         )
         if can_transition(self.state, ReplicaState.STALLED):

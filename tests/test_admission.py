@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from control.admission import Capacity, Limits, Verdict, check, max_position, predict_ms, retry_after_s
+from control.admission import (
+    Capacity,
+    Limits,
+    Verdict,
+    check,
+    max_position,
+    pooled_capacity,
+    predict_ms,
+    retry_after_s,
+)
 
 CAP = Capacity(num_replicas=2, max_batch=64, batch_ms=250.0)
 LIMITS = Limits(max_queue_paid=4096, max_queue_free=2048, margin_ms=15.0)
@@ -80,3 +89,17 @@ def test_a_token_bucket_refills_at_its_rate_up_to_its_size() -> None:
     assert take_token(0.0, 0.0, 10_000.0, policy) == (5.0, 0.0)  # no more than the bucket
     assert take_token(2.0, 100.0, 50.0, policy) == (2.0, 0.0)  # another clock behind: no refill
     assert take_token(0.0, 0.0, 0.0, TenantPolicy())[1] == 0.0  # no rate: no limit
+
+
+def test_one_slow_replica_does_not_make_admission_refuse_what_the_others_serve() -> None:
+    capacity = pooled_capacity([(64, 300.0), (64, 3_738.0)])
+    assert check(600.0, capacity, LIMITS) == Verdict.ADMIT
+    assert max_position("paid", 600.0, capacity, LIMITS) >= 64
+    # The pooled time serves what the two serve together, each at its own rate.
+    assert capacity.requests_per_s == 64_000 / 300.0 + 64_000 / 3_738.0
+
+
+def test_replicas_that_agree_pool_to_their_own_figures() -> None:
+    assert pooled_capacity([(64, 250.0)] * 3) == Capacity(3, 64, 250.0)
+    assert pooled_capacity([]) == Capacity(0, 1, 1.0)
+    assert pooled_capacity([(64, 0.0), (32, 250.0)]) == Capacity(2, 32, 250.0)  # no time yet: no say

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from control.chaos import FAULTS
 from control.cliargs import CHAOS_SCENARIOS
@@ -56,3 +57,28 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.slow
+def test_idle_hang_ups_and_cancels_leave_every_replica_serving(tmp_path: Path) -> None:
+    """client-hangup --idle: each fault alone on an idle continuous replica, spaced wider
+    than the stall watchdog's window (short here), so a replica left taken for busy by an
+    abort would give up between them."""
+    out = tmp_path / "idle.json"
+    cmd = [sys.executable, "-m", "control", "chaos", "client-hangup", "--idle", "--replicas", "1"]
+    cmd += ["--policy", "continuous", "--hangups", "2", "--cancels", "2", "--every", "1.6", "--tail", "1.6"]
+    cmd += ["--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYBATCH_")}
+    env.update(KEYBATCH_STALL_MS="300", KEYBATCH_HEARTBEAT_S="0.2")  # the watchdog acts within 1.2 s
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for path in report["logs"]:
+        Path(path).unlink(missing_ok=True)
+    assert sum(report["hangups"].values()) == 2 and sum(report["cancels"].values()) == 2
+    assert report["readiness"]["samples"] > 30
+    assert report["replica_exits"] == [] and report["stall_restarts"] == 0, report
+    assert report["readiness"]["ready_share"] == 1.0, report["readiness"]
+    assert [a["status"] for a in report["next_requests"]] == [200]
+    assert report["ok"] and done.returncode == 0
+    assert "replica exits" in done.stdout and "PASS" in done.stdout

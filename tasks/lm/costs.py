@@ -1,19 +1,36 @@
-"""What steps of an engine cost, measured as they run (moving averages, no constants).
+"""What steps of an engine cost, measured as they run (moving medians, no constants).
 
 The engine records each decode forward (by batch size), each prefill chunk (by tokens)
 and each whole step; the replica's collector and the gateway's admission ask for the
 expected time of the next step and of a typical request at the present load.
+
+Each figure is the median of its last `WINDOW` samples, not a mean: a forward that
+ran long for a reason of its own (the first, cold one; a process stopped or starved of
+its core mid-step) is one sample among several and moves no estimate, where it would
+pull a moving average up for many samples, and admission would refuse budgets the
+engine meets.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from statistics import median
 
-ALPHA = 0.2  # weight of the newest sample: about the last ten count
+WINDOW = 9  # samples per figure: a median that four far-off ones in a row cannot move out of the rest's range
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + ALPHA * (new - old)
+class Recent:
+    """The median of the last `WINDOW` samples of one figure."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.value: float | None = None
+
+    def add(self, sample: float) -> float:
+        self.samples.append(sample)
+        self.value = median(self.samples)
+        return self.value
 
 
 def batch_bucket(batch: int) -> int:
@@ -22,7 +39,7 @@ def batch_bucket(batch: int) -> int:
 
 
 class StepCosts:
-    """Moving averages of forward times, and of the requests' shape."""
+    """Moving medians of forward times, and of the requests' shape."""
 
     def __init__(self, prompt_prior: float, completion_prior: float) -> None:
         self.decode_ms: dict[int, float] = {}  # batch bucket -> ms of one decode forward
@@ -34,25 +51,34 @@ class StepCosts:
         self.prompt_tokens = prompt_prior
         self.completion_tokens = completion_prior
         self.batch_completion_tokens = completion_prior
+        self._decode: dict[int, Recent] = {}
+        self._recent = {name: Recent() for name in ("prefill_ms_per_token", "step_ms", "prefill_tokens_per_step")}
+        for name, prior in (
+            ("prompt_tokens", prompt_prior),
+            ("completion_tokens", completion_prior),
+            ("batch_completion_tokens", completion_prior),
+        ):
+            self._recent[name] = Recent()
+            self._recent[name].add(prior)  # a sample: the first request shifts the shape, not sets it
 
     def record_decode(self, batch: int, ms: float) -> None:
         bucket = batch_bucket(batch)
-        self.decode_ms[bucket] = _ema(self.decode_ms.get(bucket), ms)
+        self.decode_ms[bucket] = self._decode.setdefault(bucket, Recent()).add(ms)
 
     def record_prefill(self, num_tokens: int, ms: float) -> None:
         if num_tokens > 0:
-            self.prefill_ms_per_token = _ema(self.prefill_ms_per_token, ms / num_tokens)
+            self.prefill_ms_per_token = self._recent["prefill_ms_per_token"].add(ms / num_tokens)
 
     def record_step(self, ms: float, num_prefill_tokens: int) -> None:
-        self.step_ms = _ema(self.step_ms, ms)
-        self.prefill_tokens_per_step = _ema(self.prefill_tokens_per_step, num_prefill_tokens)
+        self.step_ms = self._recent["step_ms"].add(ms)
+        self.prefill_tokens_per_step = self._recent["prefill_tokens_per_step"].add(num_prefill_tokens)
 
     def record_request(self, num_prefilled: int, num_generated: int) -> None:
-        self.prompt_tokens = _ema(self.prompt_tokens, num_prefilled)
-        self.completion_tokens = _ema(self.completion_tokens, num_generated)
+        self.prompt_tokens = self._recent["prompt_tokens"].add(num_prefilled)
+        self.completion_tokens = self._recent["completion_tokens"].add(num_generated)
 
     def record_batch(self, longest_completion: int) -> None:
-        self.batch_completion_tokens = _ema(self.batch_completion_tokens, longest_completion)
+        self.batch_completion_tokens = self._recent["batch_completion_tokens"].add(longest_completion)
 
     def decode(self, batch: int) -> float:
         """Expected ms of a decode forward over `batch` rows: the measured bucket, else a

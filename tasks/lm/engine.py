@@ -38,6 +38,7 @@ from tasks.scheduler import ContinuousScheduler, Policy, RunningRequest, Schedul
 PREFIX_BLOCK = 32  # tokens per prefix-cache block
 PREFIX_CACHE_TOKENS = 16_384  # default bound of the prefix cache: 16 full 1,024-token prompts
 COMPLETION_PRIOR = 16  # tokens a request generates, until finished requests say otherwise (Job's default)
+WARM_UP_RUNS = 3  # of each start-up forward: the cost model's medians start from warm runs
 
 
 @dataclass
@@ -486,19 +487,22 @@ class HFEngine:
     # Start-up and prompts.
 
     def _warm_up(self) -> None:
-        """Seed the cost model from measurement: a prefill chunk, decodes of 1 and max_batch rows."""
+        """Seed the cost model from measurement: a prefill chunk, decodes of 1 and max_batch
+        rows, each `WARM_UP_RUNS` times, so that the first, cold run of each is outvoted."""
         num_tokens = min(PREFIX_BLOCK, self.max_context - 1)
         with torch.inference_mode():
-            started = time.perf_counter()
-            self.forward_prefill(0, [self.pad_id] * num_tokens, 0)
-            elapsed_ms = (time.perf_counter() - started) * 1000.0
-            self.costs.record_prefill(num_tokens, elapsed_ms)
-            self.times["prefill_ms"] += elapsed_ms
+            for _ in range(WARM_UP_RUNS):
+                started = time.perf_counter()
+                self.forward_prefill(0, [self.pad_id] * num_tokens, 0)
+                elapsed_ms = (time.perf_counter() - started) * 1000.0
+                self.costs.record_prefill(num_tokens, elapsed_ms)
+                self.times["prefill_ms"] += elapsed_ms
             for batch in sorted({1, self.max_batch}):
                 positions = torch.full((batch,), num_tokens)
-                started = time.perf_counter()
-                self.forward_decode(torch.full((batch,), self.pad_id), positions)
-                self.costs.record_decode(batch, (time.perf_counter() - started) * 1000.0)
+                for _ in range(WARM_UP_RUNS):
+                    started = time.perf_counter()
+                    self.forward_decode(torch.full((batch,), self.pad_id), positions)
+                    self.costs.record_decode(batch, (time.perf_counter() - started) * 1000.0)
 
     def encode_prompt(self, job: Job) -> list[int]:
         """Prompt token ids; the FIM layout's markers as their single special tokens."""
