@@ -98,7 +98,12 @@ def _json_body() -> object:
             orjson.dumps(body)
         return body
     except (UnicodeDecodeError, ValueError, RecursionError, orjson.JSONEncodeError):
-        raise ApiError(400, "the body must be a JSON object", "invalid_json") from None
+        raise ApiError(
+            400,
+            "the body is not strict JSON (UTF-8, no repeated name, no NaN or Infinity, no lone surrogate, "
+            "integers within 64 bits)",
+            "invalid_json",
+        ) from None
 
 
 def _parse_body(settings: Settings) -> CompletionRequest:

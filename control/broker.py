@@ -45,11 +45,12 @@ class EmbeddedBroker:
         port: int | None = None,
         out: IO[str] | int | None = subprocess.DEVNULL,
         maxmemory_mb: int = DEFAULT_MAXMEMORY_MB,
+        operator_password: str | None = None,
     ) -> None:
         self.port = port
         self.out = out  # where the server's own log goes (it logs to stdout in the foreground)
         self.maxmemory_mb = maxmemory_mb
-        self.secrets = BrokerSecrets()
+        self.secrets = BrokerSecrets.with_operator(operator_password)
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None  # private: the ACL file (hashes only), the server's cwd
 

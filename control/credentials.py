@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 Role = Literal["gateway", "replica", "operator"]
 ROLES: tuple[Role, ...] = ("gateway", "replica", "operator")
@@ -55,9 +56,17 @@ _ACL = {
 
 @dataclass(frozen=True)
 class BrokerSecrets:
-    """A fresh password per role (URL-safe: no quoting needed in a redis:// URL)."""
+    """A fresh password per role; the operator's may be given (`ADMIN_TOKEN`), so that an
+    operator's tools elsewhere can act with a credential they already hold."""
 
     passwords: dict[str, str] = field(default_factory=lambda: {r: secrets.token_urlsafe(32) for r in ROLES})
+
+    @classmethod
+    def with_operator(cls, password: str | None) -> BrokerSecrets:
+        made = cls()
+        if password:
+            made.passwords["operator"] = password
+        return made
 
     def acl(self) -> str:
         """The ACL file: the default user off, each role with its rules and its password's hash."""
@@ -68,7 +77,7 @@ class BrokerSecrets:
         return "\n".join(lines) + "\n"
 
     def url(self, role: Role, host: str, port: int, db: int = 0) -> str:
-        return f"redis://{role}:{self.passwords[role]}@{host}:{port}/{db}"
+        return f"redis://{role}:{quote(self.passwords[role], safe='')}@{host}:{port}/{db}"
 
 
 def private_dir(path: Path) -> Path:

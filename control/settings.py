@@ -48,6 +48,14 @@ class Settings(BaseSettings):
     api_threads: int = Field(256, ge=1, description="threads per process (gthread only)")
     api_keys: dict[str, Tier] = Field(default_factory=dict, description="API key -> tier")
     allow_anonymous: bool = True
+    admin_token: str | None = Field(
+        None,
+        min_length=16,
+        description=(
+            "the embedded broker's operator password (ACL user `operator`), instead of a generated one: "
+            "operator tools elsewhere act with redis://operator:TOKEN@host:port; the data path never holds it"
+        ),
+    )
     metrics_token: str | None = Field(
         None,
         description="bearer token /metrics requires when set; unset, /metrics is open only while anonymous access is",

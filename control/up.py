@@ -152,7 +152,11 @@ class System:
 
     def start(self, timeout_s: float = 60.0) -> None:
         if self.redis_url is None:
-            self.broker = EmbeddedBroker(out=self.out, maxmemory_mb=self.settings.broker_maxmemory_mb)
+            self.broker = EmbeddedBroker(
+                out=self.out,
+                maxmemory_mb=self.settings.broker_maxmemory_mb,
+                operator_password=self.settings.admin_token,
+            )
             self.redis_url = self.broker.start()
             self.children.append(Child("broker", "embedded Valkey", started_at=time.monotonic()))
             self._leave_credentials()

@@ -9,9 +9,11 @@ replica late (a burst, a slow consumer) it still gathers the ones right behind
 instead of launching each alone, and the deadline term bounds the wait.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
-A request `behind` other tenants' ones (its tenant held its fair depth of the queue,
+A free request `behind` other tenants' ones (its tenant held its fair depth of the queue,
 control/admission.py) ranks after every request in line, whatever its age: a replica
 that pulled it while the lists in line were empty still runs a newer one in line first.
+A paid request behind other paid tenants' ones still ranks as paid: the tier comes
+first, and among paid tenants the broker's lanes already keep the order.
 
 Under heavy load replicas of a model that run back-to-back batches lock in phase:
 all of them start together, every T, and each request waits for the next common
@@ -48,7 +50,9 @@ class Pending:
             self.arrived_ms = self.received_ms
 
     def rank(self, paid_boost_ms: float) -> float:
-        return self.received_ms - (paid_boost_ms if self.tier == "paid" else 0.0) + (BEHIND_MS if self.behind else 0.0)
+        if self.tier == "paid":
+            return self.received_ms - paid_boost_ms
+        return self.received_ms + (BEHIND_MS if self.behind else 0.0)
 
 
 @dataclass
@@ -84,8 +88,8 @@ class Collector:
         return min(self.config.max_batch, sum(p.tier == "free" for p in self.waiting))
 
     def num_behind(self) -> int:
-        """Requests behind other tenants' ones that a late free one in line would displace."""
-        return min(self.config.max_batch, sum(p.behind for p in self.waiting))
+        """Free requests behind other tenants' ones that a late free one in line would displace."""
+        return min(self.config.max_batch, sum(p.behind and p.tier == "free" for p in self.waiting))
 
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]

@@ -263,3 +263,20 @@ def test_a_broker_url_with_credentials_given_to_up_serves_and_operates() -> None
         name = replica_name(d)
         assert operator(d, broker.url).drain(name, force=True, wait_s=5).state == "drained"
         assert operator(d, broker.url).resume(name).state == "serving"
+
+
+def test_admin_token_is_the_operators_password_and_no_one_elses() -> None:
+    from control.broker import EmbeddedBroker
+
+    token = "an operator's token, 32 chars:/@"
+    with EmbeddedBroker(operator_password=token) as broker:
+        port = urlsplit(broker.url).port
+        by_token = redis.Redis(host="127.0.0.1", port=port, username="operator", password=token)
+        assert by_token.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert redis.Redis.from_url(broker.url).ping()  # the URL quotes what a URL cannot hold
+        for role in ("gateway", "replica"):
+            assert token not in broker.url_for(role)
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                redis.Redis(host="127.0.0.1", port=port, username=role, password=token).ping()
+    with pytest.raises(ValueError):
+        Settings(admin_token="short")

@@ -103,3 +103,16 @@ def test_a_second_copy_of_a_request_in_the_buffer_runs_once() -> None:
         c.add(Pending(rid, "free", received_ms=float(i), deadline_ms=10_000.0))
     assert [p.id for p in c.pop_batch()] == ["a", "b", "c"]  # the copy of a is dropped
     assert [p.id for p in c.waiting] == ["d"]
+
+
+def test_a_paid_request_behind_other_paid_tenants_still_goes_before_free_ones() -> None:
+    c = make_collector(max_batch=2)
+    free = make_pending(0, at=0.0)
+    free_behind = make_pending(1, at=0.0)
+    free_behind.behind = True
+    paid_behind = make_pending(2, at=50.0, tier="paid")
+    paid_behind.behind = True
+    for pending in (free_behind, free, paid_behind):
+        c.add(pending)
+    assert [pd.id for pd in c.pop_batch()] == ["r2", "r0"]  # the tier first, then the lane
+    assert c.num_behind() == 1  # only a free request behind is displaced by a free one in line
