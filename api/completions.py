@@ -133,7 +133,7 @@ def _scoped(tenant: str, request_id: str | None, session_id: str | None) -> tupl
     anonymous callers share one tenant and nothing tells them apart (one address may be
     many clients), so nothing an anonymous caller chose is used as a key: an id it chose is
     echoed, its request gets an unguessable key it learns from `X-Cancel-Id`, and its
-    session id supersedes nothing (docs/decisions/0017).
+    session id supersedes nothing (docs/decisions/0018).
     """
     if tenant != ANONYMOUS:
         issued = request_id or f"cmpl-{secrets.token_hex(16)}"

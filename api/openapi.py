@@ -26,7 +26,7 @@ Schema = dict[str, Any]
 @bp.get("/openapi.json")
 def openapi_json() -> Response:
     """This document, for the settings this gateway runs with. Open, as the interface is
-    public; the configured models only to a caller who may see them (docs/decisions/0017)."""
+    public; the configured models only to a caller who may see them (docs/decisions/0018)."""
     from api.ops import shows_deployment
 
     settings = current_app.extensions["keybatch"].settings

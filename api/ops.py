@@ -54,7 +54,7 @@ def readyz() -> Response:
         raise ApiError(503, f"not ready: {why}", "not_ready", retry_after_s=1)
     # No process id, host or replica name here: an open endpoint tells a caller no more than
     # what it needs to route (docs/decisions/0014); with anonymous access off, not even the
-    # models, unless the caller has a key or the scrape token (docs/decisions/0017).
+    # models, unless the caller has a key or the scrape token (docs/decisions/0018).
     return jsonify({"status": "ready", "replicas": counts} if detail else {"status": "ready"})
 
 
