@@ -10,6 +10,9 @@ and tells it when a connection starts or ends a request. docs/decisions/0017.
 - When the pool is full, a new connection takes the slot of the connection that
   has waited longest with no request in progress (before its first byte, in its
   header block, or kept alive between requests): it is shed, the new one stays.
+  One whose next request has reached the socket but not the handler yet is not
+  waiting for anything: it is passed over (the first `SHED_SCAN` are looked at), so
+  a client never sees its sent request's connection closed without an answer.
 - With none waiting (every general slot serves a request), the new connection
   may wait in the reserve on trial: its first request must be paid, or it is
   refused (with the general pool still full). Its slot is a free one of the
@@ -22,17 +25,20 @@ and tells it when a connection starts or ends a request. docs/decisions/0017.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Literal
 
 Pool = Literal["general", "reserve", "trial"]  # trial: reserve slots held by connections not yet known paid
+SHED_SCAN = 8  # waiting connections looked at for one to shed, longest waiting first
 
 
 @dataclass(eq=False)
 class Conn:
     address: str
     shed: Callable[[], None] = field(repr=False)  # closes it; called at most once
+    has_input: Callable[[], bool] = field(default=lambda: False, repr=False)  # bytes unread by its handler
     pool: Pool = "general"
     waiting: bool = True  # no request in progress
     open: bool = True
@@ -51,12 +57,14 @@ class ConnectionTable:
         self.shed_count = 0
         self.refused_count = 0
 
-    def admit(self, address: str, shed: Callable[[], None]) -> Conn | None:
+    def admit(
+        self, address: str, shed: Callable[[], None], has_input: Callable[[], bool] = lambda: False
+    ) -> Conn | None:
         """A slot for a new connection, or None: refuse it."""
         if self.per_address and address not in self.exempt:
             own = self._by_address.get(address)
             if own is not None and len(own) >= self.per_address:
-                victim = next((c for c in own if c.waiting), None)
+                victim = _idle(c for c in own if c.waiting)
                 if victim is None:
                     self.refused_count += 1
                     return None
@@ -65,7 +73,7 @@ class ConnectionTable:
         if pool is None:
             self.refused_count += 1
             return None
-        conn = Conn(address, shed, pool)
+        conn = Conn(address, shed, has_input, pool)
         self.used[pool] += 1
         self._waiting[pool][conn] = None
         self._by_address.setdefault(address, OrderedDict())[conn] = None
@@ -113,7 +121,7 @@ class ConnectionTable:
     def _room_for_new(self) -> Pool | None:
         if self.used["general"] < self.general:
             return "general"
-        if (victim := next(iter(self._waiting["general"]), None)) is not None:
+        if (victim := _idle(iter(self._waiting["general"]))) is not None:
             self._shed(victim)
             return "general"
         return "trial" if self._reserve_room() else None
@@ -127,7 +135,7 @@ class ConnectionTable:
         if self._reserve_free():
             return True
         for pool in ("trial", "reserve"):
-            victim = next(iter(self._waiting[pool]), None)
+            victim = _idle(iter(self._waiting[pool]))
             if victim is not None:
                 self._shed(victim)
                 return True
@@ -142,3 +150,11 @@ class ConnectionTable:
         self.release(conn)
         self.shed_count += 1
         conn.shed()
+
+
+def _idle(candidates: Iterator[Conn]) -> Conn | None:
+    """The first of the longest-waiting candidates that has no request on its way in."""
+    for conn in islice(candidates, SHED_SCAN):
+        if not conn.has_input():
+            return conn
+    return None

@@ -262,7 +262,7 @@ def server_class(table: ConnectionTable) -> type:
     class Server(PyWSGIServer):
         def do_handle(self, sock: Any, address: Any) -> None:
             host = address[0] if isinstance(address, tuple) else str(address)
-            conn = table.admit(host, lambda: _shut(sock))
+            conn = table.admit(host, lambda: _shut(sock), lambda: _has_input(sock))
             if conn is None:
                 _refuse_at_once(sock, ALL_TAKEN)
                 return
@@ -283,6 +283,15 @@ def server_class(table: ConnectionTable) -> type:
 
 
 REFUSED_READS = 4  # a client that keeps sending to a refused connection does not hold the loop
+
+
+def _has_input(sock: Any) -> bool:
+    """Bytes wait in the socket (a request on its way in); end of file is not input."""
+    raw = getattr(sock, "_sock", sock)
+    try:
+        return len(raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)) > 0
+    except OSError:  # nothing to read (EAGAIN), or the connection is gone
+        return False
 
 
 def _shut(sock: Any) -> None:

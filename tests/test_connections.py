@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import PAID_KEY, Deployment, deployment
+from tests.conftest import PAID_KEY, Deployment, deployment, until
 
 GENERAL, RESERVE, PER_ADDRESS = 20, 5, 6  # one gateway process
 FIRST_BYTE_S = 3.5
@@ -393,3 +393,33 @@ def test_well_framed_requests_are_served(kb: Deployment, request_: bytes) -> Non
         s.sendall(request_.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))
         answer = _answer(s)
     assert answer.split(b" ", 2)[1] == b"200", answer[:300]
+
+
+def test_a_waiting_connection_whose_request_has_arrived_is_not_shed() -> None:
+    from control.conntable import ConnectionTable
+
+    shed: list[str] = []
+    arrived = {"a"}  # a's next request is in its socket, not read by its handler yet
+    table = ConnectionTable(general=2, reserve=0)
+    for name in ("a", "b"):
+        table.admit(name, lambda name=name: shed.append(name), lambda name=name: name in arrived)
+    assert table.admit("c", lambda: None, lambda: "c" in arrived) is not None
+    assert shed == ["b"]  # a waited longer, but has a request on its way in
+    arrived.add("c")
+    assert table.admit("d", lambda: None) is None  # none idle: refused, nothing closed
+    assert shed == ["b"]
+
+
+def test_has_input_sees_bytes_not_yet_read_and_not_an_end_of_file() -> None:
+    from control.serve import _has_input
+
+    left, right = socket.socketpair()
+    try:
+        assert _has_input(right) is False
+        left.sendall(b"GET / HTTP/1.1\r\n")
+        assert until(lambda: _has_input(right), timeout_s=2.0)
+        assert right.recv(64) == b"GET / HTTP/1.1\r\n"  # peeked, not consumed
+        left.close()
+        assert _has_input(right) is False
+    finally:
+        right.close()
