@@ -184,7 +184,11 @@ def test_sigkill_of_keybatch_up_leaves_nothing_running() -> None:
         up.proc.kill()
         up.proc.wait()
         pids = [c.pid for c in family]
-        poll(lambda: not alive(pids), 10, f"every child of keybatch up gone: {alive(pids)} left")
+        try:
+            poll(lambda: not alive(pids), 10, "every child of keybatch up gone")
+        except AssertionError as err:  # name what was left, for the next look
+            left = [" ".join(_cmdline(c)) for c in family if c.pid in alive(pids)]
+            raise AssertionError(f"{err}; left: {left}") from None
 
 
 def test_fewer_workers_than_models_is_refused_at_once() -> None:
