@@ -11,7 +11,9 @@ thread asks of the consumer goes through the consumer's thread-safe call_soon.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -263,6 +265,8 @@ def run_worker(
     another model's engine when the operator moves the replica."""
     from tasks.app import make_celery
 
+    exit_when_orphaned()
+
     app = make_celery(settings)
     app.task(name=p.TASK_NAME, base=BatchedTask, bind=True)(_never_called)
     app.keybatch_spec = ReplicaSpec(model, settings, engine, load_engine)
@@ -287,8 +291,34 @@ def run_worker(
     app.worker_main(argv)
 
 
+ORPHAN_GRACE_S = 5.0  # a replica whose supervisor died has this long to stop on its own
+
+
+def exit_when_orphaned(grace_s: float = ORPHAN_GRACE_S, every_s: float = 0.5) -> threading.Thread | None:
+    """Exit the process once its parent has been gone `grace_s`. A supervisor's death
+    sends SIGTERM (PR_SET_PDEATHSIG), but a warm shutdown can hang when the broker died
+    with it (kombu retries a publish to it without end, in the main thread), which would
+    leave the replica running with no one to stop it. A process started by init (no
+    supervisor) is left alone."""
+    parent = os.getppid()
+    if parent == 1:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        time.sleep(grace_s)  # still here: the shutdown hangs
+        log.error("the supervisor (pid %d) is gone and the shutdown did not end: exiting", parent)
+        logging.shutdown()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def _never_called(self: object, job: dict) -> None:
     raise RuntimeError("keybatch.complete runs through the batching strategy, not the pool")
 
 
-__all__ = ["BatchedTask", "ReplicaSpec", "ReplicaStep", "batching_strategy", "held", "run_worker"]
+__all__ = ["BatchedTask", "ReplicaSpec", "ReplicaStep", "batching_strategy", "exit_when_orphaned", "held", "run_worker"]

@@ -259,3 +259,33 @@ def test_replica_died_never_raises(broker: EmbeddedBroker) -> None:
     started = time.monotonic()
     system._replica_died("kb-small-1@host")  # the broker is down: logged, not raised
     assert time.monotonic() - started < 2
+
+
+ORPHAN = """
+import os, sys, subprocess, threading
+if sys.argv[1] == "parent":  # start the replica-like child, wait until it watches, then die
+    argv = [sys.executable, "-c", sys.argv[2], "child", sys.argv[3]]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    os._exit(0)
+import logging
+logging.basicConfig(filename=sys.argv[2])
+from tasks.worker import exit_when_orphaned
+exit_when_orphaned(grace_s=0.5, every_s=0.05)
+print("watching", flush=True)
+threading.Event().wait()  # a shutdown that never ends
+"""
+
+
+def test_a_replica_whose_supervisor_died_exits_even_if_its_shutdown_hangs(tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    args = [sys.executable, "-c", ORPHAN, "parent", ORPHAN, str(log)]
+    done = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=30)
+    pid = int(done.stdout.split()[0])
+    try:
+        poll(lambda: not alive([pid]), 10, "the orphaned child gone")
+    finally:
+        if alive([pid]):
+            os.kill(pid, signal.SIGKILL)
+    assert "is gone and the shutdown did not end: exiting" in log.read_text()  # by the watch, not by chance
