@@ -42,6 +42,7 @@ from control.chaos_idle import IdleSpec, print_idle, run_idle
 from control.credentials import credentials_path, read_operator_url
 from control.loadgen import LoadSpec, Record, percentile, run_spec
 from control.memory import collector_paused
+from control.report import figure_table, print_table
 from control.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -849,16 +850,22 @@ def _finish(report: dict, json_path: str | None) -> int:
 
 
 def _save(report: dict, json_path: str | None) -> int:
-    """Save, and keep the deployments' logs only when the run failed."""
+    """Save (without the logs' paths, which are this machine's), and keep the
+    deployments' logs only when the run failed."""
     if json_path:
         with open(json_path, "w") as fh:
-            json.dump(report, fh, indent=2)
+            json.dump(without_logs(report), fh, indent=2)
     if not report["ok"]:
         print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
         return 1
     for path in report["logs"]:
         os.unlink(path)
     return 0
+
+
+def without_logs(report: dict) -> dict:
+    """A report as it is written: the logs' paths are named on stderr, not stored."""
+    return {k: v for k, v in report.items() if k != "logs"}
 
 
 def _drive(
@@ -1023,18 +1030,12 @@ def _timeline(records: list[Record], duration_s: float) -> list[dict[str, object
 
 
 def _print(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     spec = report["spec"]
-    table = Table(
-        title=f"keybatch chaos {report['scenario']}: {spec['replicas']} replicas, "
+    table = figure_table(
+        f"keybatch chaos {report['scenario']}: {spec['replicas']} replicas, "
         f"{report['rps']:.0f} req/s ({spec['load']:.0%} of {report['capacity_rps']:.0f}), "
         f"{spec['paid_share']:.0%} paid, {spec['duration_s']:.0f} s"
     )
-    table.add_column("figure")
-    table.add_column("value")
-    table.add_column("target", justify="right")
     for fault in report["faults"]:
         recover = "not recovered" if fault["recover_s"] is None else f"recovered in {fault['recover_s']:.1f} s"
         what = "; ".join(
@@ -1081,7 +1082,7 @@ def _print(report: dict) -> None:
         table.add_row(f"stop ({d['name']})", f"exit {d['exit_code']} in {d['stop_s']:.1f} s; left running: {left}", "")
     verdict = "PASS" if report["ok"] else "FAIL: " + "; ".join(report["failed"])
     table.add_row("verdict", verdict, "lost 0, duplicated 0")
-    Console(width=160).print(table)
+    print_table(table)
 
 
 def _counts(counts: dict) -> str:

@@ -26,10 +26,11 @@ from typing import Any
 
 import uvloop
 
-from control.chaos import MODEL, OWN_SETTINGS, ChaosError, Deployment
+from control.chaos import MODEL, OWN_SETTINGS, ChaosError, Deployment, without_logs
 from control.loadgen import LoadSpec, Record, generate, percentile, run_spec
 from control.memory import collector_paused
 from control.ops import Operator, OperatorError
+from control.report import figure_table, print_table
 from control.settings import Settings
 
 OTHER_MODEL = "kb-large"
@@ -115,7 +116,7 @@ def run_ops(settings: Settings, args: argparse.Namespace) -> int:
         _print(reports[spec.action])
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(reports, fh, indent=2)
+            json.dump({action: without_logs(r) for action, r in reports.items()}, fh, indent=2)
     for report in reports.values():
         if report["ok"]:
             for path in report["logs"]:
@@ -369,20 +370,14 @@ def _timeline(records: list[Record], duration_s: float) -> list[dict[str, Any]]:
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     spec = report["spec"]
     rates = ", ".join(f"{model} {rps:.0f} req/s" for model, rps in report["rps"].items())
-    table = Table(
-        title=f"keybatch bench ops {report['action']}: {spec['replicas']} kb-small replicas"
+    table = figure_table(
+        f"keybatch bench ops {report['action']}: {spec['replicas']} kb-small replicas"
         + (f" + 1 {OTHER_MODEL}" if report["action"] == "move" else "")
         + f", {report['max_batch']} per {report['batch_ms']:.0f} ms (fixed); {rates}, "
         f"{spec['paid_share']:.0%} paid, {spec['duration_s']:.0f} s"
     )
-    table.add_column("figure")
-    table.add_column("value")
-    table.add_column("target", justify="right")
     answer = report["command_answer"]
     table.add_row(
         f"{report['operator_command']} {report['replica']} at {report['action_at_s']:.2f} s",
@@ -411,7 +406,7 @@ def _print(report: dict[str, Any]) -> None:
     table.add_row("stop", f"exit {d['exit_code']} in {d['stop_s']:.1f} s; left running: {left}", "")
     verdict = "PASS" if report["ok"] else "FAIL: " + "; ".join(report["failed_reasons"])
     table.add_row("verdict", verdict, "lost 0, failed 0")
-    Console(width=160).print(table)
+    print_table(table)
 
 
 def _counts(counts: dict[str, Any]) -> str:

@@ -98,9 +98,12 @@ class PeerServer:
         }
 
     def shown(self) -> str:
-        """The command as one would type it, with the environment it differs by."""
+        """The command as one would type it, with the environment it differs by (`python`
+        and the model folder's name, not this machine's paths)."""
         env = " ".join(f"{k}={v}" for k, v in self.env_changes().items())
-        return f"{env} {shlex.join(self.command())}"
+        cmd = ["python", *self.command()[1:]]
+        cmd[cmd.index(self.folder)] = Path(self.folder).name
+        return f"{env} {shlex.join(cmd)}"
 
 
 @contextmanager
@@ -437,7 +440,7 @@ def _measure_peer(folder: str, threads: int, args: argparse.Namespace, bodies: l
             )
             print(f"   the peer failed: {exc}\n{_log_tail(log_path, 12)}", file=sys.stderr, flush=True)
             continue
-        return {"mode": server.mode, "command": server.shown(), "log": str(log_path), **measured, "failures": failures}
+        return {"mode": server.mode, "command": server.shown(), **measured, "failures": failures}
     return {"mode": None, "sustainable_rps": None, "failures": failures}
 
 
@@ -480,7 +483,7 @@ def run_peer(settings: Settings, args: argparse.Namespace) -> int:
     threads = args.workers * settings.engine_threads
     results: dict[str, Any] = {
         "model": args.model,
-        "folder": folder,
+        "folder": Path(folder).name,
         "torch_threads": threads,
         "workload": {"name": "mixed", "requests": args.requests, "seed": args.seed},
         "p99_target_ms": args.p99_ms,

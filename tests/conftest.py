@@ -45,6 +45,16 @@ def alive(pids: list[int]) -> list[int]:
     return left
 
 
+def drop_kept_logs(stderr: str) -> list[str]:
+    """Delete the logs a failed chaos or ops run kept (it names them on stderr, never in
+    its JSON); their paths."""
+    paths = [path for line in stderr.splitlines() if line.startswith("logs kept: ") for path in line[11:].split(", ")]
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+    return paths
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ import pytest
 
 from control.chaos import FAULTS
 from control.cliargs import CHAOS_SCENARIOS
+from tests.conftest import drop_kept_logs
 
 
 def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: Path) -> None:
@@ -27,8 +28,8 @@ def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: 
     # the supervisor restarts replicas); 2 would be a run that could not be set up.
     assert done.returncode in (0, 1), done.stderr[-2000:]
     report = json.loads(out.read_text())
-    for path in report["logs"]:
-        Path(path).unlink(missing_ok=True)
+    drop_kept_logs(done.stderr)
+    assert "logs" not in report  # this machine's paths stay out of a stored report
 
     assert report["sent"] > 0
     assert isinstance(report["lost"], int) and isinstance(report["duplicated"], int)
@@ -73,8 +74,8 @@ def test_idle_hang_ups_and_cancels_leave_every_replica_serving(tmp_path: Path) -
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode in (0, 1), done.stderr[-2000:]
     report = json.loads(out.read_text())
-    for path in report["logs"]:
-        Path(path).unlink(missing_ok=True)
+    drop_kept_logs(done.stderr)
+    assert "logs" not in report  # this machine's paths stay out of a stored report
     assert sum(report["hangups"].values()) == 2 and sum(report["cancels"].values()) == 2
     assert report["readiness"]["samples"] > 30
     assert report["replica_exits"] == [] and report["stall_restarts"] == 0, report

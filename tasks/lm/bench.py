@@ -80,7 +80,7 @@ def describe(engine: HFEngine, folder: Path) -> dict[str, object]:
     config = engine.model.config
     return {
         "name": engine.name,
-        "folder": str(folder),
+        "folder": folder.name,
         "parameters": sum(p.numel() for p in engine.model.parameters()),
         "hidden_size": config.hidden_size,
         "layers": config.num_hidden_layers,
