@@ -26,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from control.report import figure_table, print_table
+
 _DIED = re.compile(r"keybatch: replica (\S+) \(pid (\d+)\) died \(([^)]*)\)")
 _STALLED = "restarting"  # the replica's own last words when its watchdog fires (tasks/replica.py)
 
@@ -262,18 +264,12 @@ def _report(
 
 
 def print_idle(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     spec = report["spec"]
-    table = Table(
-        title=f"keybatch chaos client-hangup --idle: {report.get('replicas', '?')} replicas "
+    table = figure_table(
+        f"keybatch chaos client-hangup --idle: {report.get('replicas', '?')} replicas "
         f"({report.get('backend', '?')}, {report.get('policy', '?')}), {spec['hangups']} hang-ups and "
         f"{spec['cancels']} cancels, one every {spec['every_s']} s, {spec['hangup_ms']:.0f} ms after sending"
     )
-    table.add_column("figure")
-    table.add_column("value")
-    table.add_column("target", justify="right")
     table.add_row("hang-ups", _counts(report["hangups"]), "")
     table.add_row("cancels: the request's answer (the cancel's)", _counts(report["cancels"]), "")
     exits = report["replica_exits"]
@@ -292,7 +288,7 @@ def print_idle(report: dict) -> None:
     for d in report.get("deployments", []):
         table.add_row(f"stop ({d['name']})", f"exit {d['exit_code']} in {d['stop_s']:.1f} s", "")
     table.add_row("verdict", verdict, "")
-    Console(width=160).print(table)
+    print_table(table)
 
 
 def _counts(counts: dict) -> str:

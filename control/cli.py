@@ -177,7 +177,8 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
-    from tasks.engine import Engine, make_engine
+    from tasks.backends import make_engine
+    from tasks.engine import Engine
     from tasks.worker import run_worker
 
     if args.model not in settings.models:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from control.protocol import Job
-from control.settings import Policy, Settings
 
 SIMULATED = "fixed (simulated accelerator)"
 
@@ -315,27 +314,3 @@ class FixedLatencyEngine:
 
 def monotonic_ms() -> float:
     return time.monotonic() * 1000.0
-
-
-def make_engine(settings: Settings, model: str, backend: str, policy: Policy) -> Engine:
-    """The engine a replica of `model` runs (torch is imported only for the hf backend)."""
-    if backend == "fixed":
-        return FixedLatencyEngine(
-            settings.max_batch,
-            settings.batch_ms,
-            settings.fixed_poison,
-            settings.fixed_hang,
-            continuous=policy == "continuous",
-        )
-    from tasks.lm.engine import HFEngine
-
-    return HFEngine(
-        settings.model_path(model),
-        max_batch=settings.max_batch,
-        policy=policy,
-        token_budget=settings.token_budget,
-        prefill_chunk=settings.prefill_chunk,
-        prefix_cache_tokens=settings.prefix_cache_tokens,
-        threads=settings.engine_threads,
-        name=f"hf:{model}",
-    )
