@@ -18,8 +18,8 @@ from api.disconnect import hangup_event
 from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
 from api.schemas import CompletionRequest
-from control import protocol as p
-from control.settings import Settings, Tier
+from control.core import protocol as p
+from control.core.settings import Settings, Tier
 
 bp = Blueprint("completions", __name__)
 

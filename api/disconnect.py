@@ -19,14 +19,14 @@ polling. When the socket turns readable the callback peeks one byte (`MSG_PEEK`,
 keep-alive client's next request stays unread for the handler): EOF or an error set
 the event; bytes mean the client sent more (a pipelined request), which says it is
 there and hides any later EOF behind them, so the watch ends without setting the event.
-The request's own body is already read when the app runs (control/serve.py reads it
+The request's own body is already read when the app runs (api/server/serve.py reads it
 whole), so what the peek sees comes after it.
 
 EOF is taken as gone: an HTTP/1.1 client does not half-close while it waits for its
 answer (one that shuts down its sending side after the request would be taken as gone).
 
 Where the socket is: gunicorn's `GeventPyWSGIWorker` handler (`PyWSGIHandler`,
-subclassed in control/serve.py) puts the connection's gevent socket in the environ as
+subclassed in api/server/serve.py) puts the connection's gevent socket in the environ as
 `gunicorn.sock`; a server that does not (gthread) gets None.
 """
 

@@ -27,15 +27,16 @@ from redis.typing import EncodableT
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control import admission, failover, traffic
-from control import protocol as p
-from control.admission import Capacity, Limits, Verdict
-from control.clock import BrokerClock, Clock
-from control.connect import client_like
-from control.fleet import FleetView
-from control.settings import Settings
-from control.tiers import Tier
-from tasks.messages import TaskMessages
+from control.broker import failover, traffic
+from control.broker.envelope import TaskMessages
+from control.broker.registry import FleetView
+from control.core import protocol as p
+from control.core.clock import BrokerClock, Clock
+from control.core.connect import client_like
+from control.core.settings import Settings
+from control.core.vocab import Tier
+from control.policy import admission
+from control.policy.admission import Capacity, Limits, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this m
 # KEYS: the owner (read through ARGV; named so a cluster client routes the call to its slot).
 CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
 
-# The admission proper, after the joins (control/admission.py's `decide`, and the token
+# The admission proper, after the joins (control/policy/admission.py's `decide`, and the token
 # bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
 # position counts.
 ADMIT_TENANT_PART = """
@@ -132,8 +133,8 @@ return {1, paid, free, paid_behind, free_behind, behind and '1' or ''}
 # KEYS: owner, waiting paid, waiting free, queue list, [session];
 # ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
 #       done key ('' when the answer is not kept), this gateway, request key, the traffic
-#       field this arrival counts in (control/traffic.py); then, for a request counted
-#       against its tenant (control/admission.py): waiting paid behind, waiting free behind,
+#       field this arrival counts in (control/broker/traffic.py); then, for a request counted
+#       against its tenant (control/policy/admission.py): waiting paid behind, waiting free behind,
 #       the queue list behind, the tenant's waiting set, its bucket, the owner value behind,
 #       the deepest position behind, fair depth, most queued, rate per s, bucket size, how
 #       many of the tenant's oldest entries to check are still waiting.
@@ -649,7 +650,7 @@ class Gateway:
             threading.Event().wait(0.05 if self.health.is_down else 0.1)
 
     def _rescue_waiting(self, min_ms: float) -> None:
-        """Offer this process's waiting requests to RESCUE (control/failover.py): those a
+        """Offer this process's waiting requests to RESCUE (control/broker/failover.py): those a
         dead replica had taken from the queue and not yet recorded go back to the queue."""
         with self._lock:
             group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.message}

@@ -15,9 +15,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from api.errors import ApiError
-from control.fleet import FleetView
-from control.settings import Settings
-from control.traffic import read_traffic
+from control.broker.registry import FleetView
+from control.broker.traffic import read_traffic
+from control.core.settings import Settings
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 2.0, 5.0)
 _OVERHEAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)

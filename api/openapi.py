@@ -14,7 +14,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, jsonify
 
 from api.schemas import CompletionRequest
-from control.settings import Settings
+from control.core.settings import Settings
 
 bp = Blueprint("openapi", __name__)
 
@@ -27,7 +27,7 @@ Schema = dict[str, Any]
 def openapi_json() -> Response:
     """This document, for the settings this gateway runs with. Open, as the interface is
     public; the configured models only to a caller who may see them (docs/decisions/0018)."""
-    from api.ops import shows_deployment
+    from api.health import shows_deployment
 
     settings = current_app.extensions["keybatch"].settings
     return jsonify(document(settings, models=shows_deployment(settings)))

@@ -24,8 +24,8 @@ from flask import Response, current_app, request
 from prometheus_client import CollectorRegistry, Counter
 
 from api.errors import ApiError
-from control import protocol as p
-from control.settings import Settings
+from control.core import protocol as p
+from control.core.settings import Settings
 
 if TYPE_CHECKING:
     from api.gateway import Gateway

@@ -1,3 +1,3 @@
-from control.cli import main
+from control.cli.main import main
 
 raise SystemExit(main())

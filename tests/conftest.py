@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,9 +14,10 @@ import pytest
 import redis
 import requests
 
-from control import protocol as p
-from control.settings import Settings
-from control.up import Plan, System
+from control.core import protocol as p
+from control.core.procs import free_port
+from control.core.settings import Settings
+from control.fleet.up import Plan, System
 
 PAID_KEY, FREE_KEY = "test-paid", "test-free"
 MODEL = "kb-small"
@@ -53,12 +53,6 @@ def drop_kept_logs(stderr: str) -> list[str]:
         if os.path.exists(path):
             os.unlink(path)
     return paths
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A tiny gevent pywsgi server with the gateway's handler, for tests/test_abuse.py.
+"""A tiny gevent pywsgi server with the gateway's handler, for tests/system/test_abuse.py.
 
 `python -m tests.hangup_server` prints its port, then two lines per request:
 `GET /path watching` once the app watches its client, then `GET /path gone` if the
@@ -18,7 +18,7 @@ from typing import Any  # noqa: E402
 from gevent.pywsgi import WSGIServer  # noqa: E402
 
 from api.disconnect import hangup_event  # noqa: E402
-from control.serve import RequestLimits, handler_class  # noqa: E402
+from api.server.serve import RequestLimits, handler_class  # noqa: E402
 
 
 def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:

@@ -17,7 +17,7 @@ def quick_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `kb-small` built with QUICK_STEPS training steps into a temporary models folder,
     once per test run (a few seconds): real files and shapes, barely trained weights."""
     if "kb-small" not in _built:
-        from tasks.lm.build import build
+        from tasks.lm.train.build import build
 
         models_dir = tmp_path_factory.mktemp("models")
         _built["kb-small"] = build(models_dir, "kb-small", steps=QUICK_STEPS, seed=QUICK_SEED, progress=False)

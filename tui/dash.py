@@ -4,7 +4,7 @@ One screen, polled every second in a worker thread so the screen never waits on 
 broker: queue depth and oldest age, arrival and completion rates and end-to-end
 p50/p99 per model and tier (against the SLO), p99 sparklines per tier, the replica
 table, and the rebalancer's last decisions with their reasons. Keys act on the
-selected replica through the same `Operator` API as the CLI (`control/ops.py`), each
+selected replica through the same `Operator` API as the CLI (`control/fleet/operator.py`), each
 after a confirmation. A broker that cannot be read shows as a banner; the last figures
 stay on screen.
 """
@@ -24,8 +24,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Label, RichLog, Sparkline, Static
 
-from control.ops import ActionResult, FleetSnapshot, Operator
-from control.rebalance import Decision, RebalanceConfig, RebalancePolicy
+from control.fleet.operator import ActionResult, FleetSnapshot, Operator
+from control.policy.rebalance import Decision, RebalanceConfig, RebalancePolicy
 
 HISTORY = 60  # polls of p99 kept for the sparklines
 
@@ -305,7 +305,7 @@ class Dashboard(App[None]):
 
 
 def operator_clock() -> Any:
-    from control.clock import SystemClock
+    from control.core.clock import SystemClock
 
     return SystemClock()
 

@@ -1,7 +1,7 @@
 """A KV cache with one row (slot) per running request, as a `transformers` Cache.
 
 Everything this project knows about transformers' cache interface lives here (its
-contract test is tests/test_hf_engine.py): the Llama forward calls
+contract test is tests/lm/test_hf_engine.py): the Llama forward calls
 `cache.update(keys, values, layer_idx)` in every attention layer and attends over what it
 returns. `SlotLayer.update` writes each row's new keys and values at that row's positions
 and returns the rows of this forward up to the longest position, as a view of the slot

@@ -1,0 +1,1 @@
+"""The benchmarks behind `keybatch bench`, and the report helpers they share."""

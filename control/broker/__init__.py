@@ -1,0 +1,3 @@
+"""The broker contract: key names, the Lua scripts, the records that cross processes, the
+queue envelope, traffic and the replica registry.
+"""

@@ -1,0 +1,67 @@
+"""The Celery task message of a job, as kombu's Redis transport stores it: the one
+place that knows kombu's envelope (the gateway pushes it itself; replicas read it
+back). tests/broker/test_messages.py checks it against what `send_task` pushes."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import orjson
+from celery import Celery
+
+from control.core import protocol as p
+
+
+class TaskMessages:
+    """The message `send_task` would LPUSH for a job, as kombu's Redis transport stores it.
+
+    Celery builds the task message (protocol 2) once, as a template; per request
+    only the id, the argument and the routing change. The envelope is what
+    kombu's virtual channel adds (`prepare_message` and `_inplace_augment_message`),
+    with the body kept as JSON text (`body_encoding` None, which kombu reads as is)
+    rather than base64. The gateway pushes it in the same Lua call that admits
+    the request, which saves the publish round trip and most of `send_task`'s
+    cost per request. tests/system/test_serving.py runs it through a real worker.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        template = app.amqp.as_task_v2(
+            "-", p.TASK_NAME, args=[], kwargs={}, argsrepr="", kwargsrepr="{}", ignore_result=True
+        )
+        self._headers = dict(template.headers)
+        self._properties = dict(template.properties)
+        _args, kwargs, embed = template.body
+        self._body_tail = f", {json.dumps(kwargs)}, {json.dumps(embed)}]"
+
+    def __call__(self, job: p.Job) -> str:
+        headers = {**self._headers, "id": job.id, "root_id": job.id, "argsrepr": f"({job.model!r}, {job.tier!r})"}
+        properties = {
+            **self._properties,
+            "correlation_id": job.id,
+            "delivery_info": {"exchange": "", "routing_key": p.queue_name(job.model)},
+            "priority": p.priority_of(job.tier) + (p.BEHIND_STEP if job.behind else 0),
+            "body_encoding": None,
+            "delivery_tag": job.id,  # unique while in flight; no acks are tracked (no_ack queues)
+            "delivery_mode": 2,  # as send_task marks it (persistent); the Redis transport keeps it as is
+        }
+        envelope = {  # the properties first: `behind` finds the priority before any text
+            "properties": properties,
+            "body": f"[[{job.model_dump_json(exclude={'behind'})}]{self._body_tail}",
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": headers,
+        }
+        return orjson.dumps(envelope).decode()
+
+
+def job_from_message(raw: bytes | str) -> p.Job:
+    """The job inside a message as `TaskMessages` (or `send_task`) stored it."""
+    envelope = json.loads(raw)
+    body = envelope["body"]
+    if envelope["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args, _kwargs, _embed = json.loads(body)
+    job = p.Job.model_validate(args[0])
+    job.behind = p.is_behind(envelope["properties"].get("priority"))
+    return job

@@ -1,0 +1,139 @@
+"""The deployment's traffic, in Redis: arrivals, completions and end-to-end latency per
+model and tier, in one small hash per second that expires after `KEEP_S`.
+
+Gateways count an admitted request inside the admission script (no extra round trip:
+`ARRIVAL_LUA`); replicas count what they answer in the pipeline that delivers a batch
+(`record_done`). Any process reads the last seconds with `read_traffic`: one round trip
+for the buckets, queue depths and the oldest queued message of every model and tier.
+Latency is kept as a histogram (`LATENCY_BOUNDS_MS`), so a percentile is the upper bound
+of the bucket it falls in.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import get_args
+
+import redis
+
+from control.core import protocol as p
+from control.core.vocab import Tier
+
+KEEP_S = 120
+LATENCY_BOUNDS_MS = (25, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000, 3000, 5000, 10000, 60000)
+TIERS: tuple[Tier, ...] = get_args(Tier)
+
+# For the admission script, after the request is admitted: ARGV[7] is the broker's now in
+# ms, ARGV[12] the field `arrival_field(model, tier)` (a caller without it counts nothing).
+ARRIVAL_LUA = f"""
+if ARGV[12] then
+  local traffic = '{p.PREFIX}:traffic:' .. math.floor(tonumber(ARGV[7]) / 1000)
+  redis.call('HINCRBY', traffic, ARGV[12], 1)
+  redis.call('EXPIRE', traffic, {KEEP_S})
+end
+"""
+
+
+def traffic_key(second: int) -> str:
+    return f"{p.PREFIX}:traffic:{second}"
+
+
+def arrival_field(model: str, tier: str) -> str:
+    return f"{model}|{tier}|in"
+
+
+def _bucket(e2e_ms: float) -> int:
+    return min(bisect.bisect_left(LATENCY_BOUNDS_MS, e2e_ms), len(LATENCY_BOUNDS_MS) - 1)
+
+
+def record_done(pipe: redis.client.Pipeline, model: str, done: Iterable[tuple[str, float]], now_ms: float) -> None:
+    """Queue onto `pipe` the count and latency buckets of answered requests: (tier, end to end ms)."""
+    fields: Counter[str] = Counter()
+    for tier, e2e_ms in done:
+        fields[f"{model}|{tier}|done"] += 1
+        fields[f"{model}|{tier}|lat{_bucket(e2e_ms)}"] += 1
+    if not fields:
+        return
+    key = traffic_key(int(now_ms // 1000))
+    for field, n in fields.items():
+        pipe.hincrby(key, field, n)
+    pipe.expire(key, KEEP_S)
+
+
+@dataclass(frozen=True)
+class TierTraffic:
+    model: str
+    tier: str
+    num_queued: int  # admitted, not yet in a batch (in the queue or a replica's buffer)
+    oldest_ms: float  # age of the oldest message still in the broker's queue (0: none)
+    arrival_rate: float  # admitted per second over the window
+    completion_rate: float  # answered per second over the window
+    p50_ms: float | None  # end to end, bucket upper bound; None: nothing answered in the window
+    p99_ms: float | None
+
+
+def _percentile(counts: list[int], q: float) -> float | None:
+    total = sum(counts)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= rank:
+            return float(LATENCY_BOUNDS_MS[i])
+    return float(LATENCY_BOUNDS_MS[-1])
+
+
+def read_traffic(client: redis.Redis, models: list[str], window_s: int = 10) -> list[TierTraffic]:
+    """The last `window_s` whole seconds on the broker's clock, for each model and tier."""
+    seconds, _micro = client.time()
+    last = int(seconds) - 1  # the current second is still filling
+    now_ms = int(seconds) * 1000 + _micro / 1000
+    pipe = client.pipeline(transaction=False)
+    for s in range(last - window_s + 1, last + 1):
+        pipe.hgetall(traffic_key(s))
+    pairs = [(m, t) for m in models for t in TIERS]
+    for model, tier in pairs:
+        for behind in (False, True):  # in line, and behind other tenants' requests
+            pipe.zcount(p.waiting_key(model, tier, behind), now_ms, "+inf")
+            pipe.lindex(p.queue_key(model, tier, behind), -1)  # kombu pops from the right: the oldest
+    replies = pipe.execute()
+    buckets, rest = replies[:window_s], replies[window_s:]
+    totals: Counter[str] = Counter()
+    for h in buckets:
+        for k, v in h.items():
+            totals[k.decode()] += int(v)
+    out = []
+    for (model, tier), (queued, tail, queued_behind, tail_behind) in zip(pairs, _fours(rest), strict=True):
+        lat = [totals[f"{model}|{tier}|lat{i}"] for i in range(len(LATENCY_BOUNDS_MS))]
+        out.append(
+            TierTraffic(
+                model=model,
+                tier=tier,
+                num_queued=int(queued) + int(queued_behind),
+                oldest_ms=max(_age_ms(tail, now_ms), _age_ms(tail_behind, now_ms)),
+                arrival_rate=totals[arrival_field(model, tier)] / window_s,
+                completion_rate=totals[f"{model}|{tier}|done"] / window_s,
+                p50_ms=_percentile(lat, 0.5),
+                p99_ms=_percentile(lat, 0.99),
+            )
+        )
+    return out
+
+
+def _fours(replies: list) -> list[tuple]:
+    return [tuple(replies[i : i + 4]) for i in range(0, len(replies), 4)]
+
+
+def _age_ms(raw: bytes | None, now_ms: float) -> float:
+    if raw is None:
+        return 0.0
+    from control.broker.envelope import job_from_message  # kombu's envelope is known there alone
+
+    try:
+        return max(0.0, now_ms - job_from_message(raw).received_ms)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return 0.0

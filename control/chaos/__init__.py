@@ -1,0 +1,1 @@
+"""`keybatch chaos`: faults injected into a live deployment under load."""

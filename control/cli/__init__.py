@@ -1,0 +1,1 @@
+"""The `keybatch` command: the only layer that imports every other."""

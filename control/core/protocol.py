@@ -1,0 +1,235 @@
+"""What crosses processes: Redis key names, the job payload and the reply messages.
+
+The gateway writes a job into a Celery message; a replica answers the gateway
+process that holds the connection by pushing one reply message per batch onto
+that gateway's reply list (see docs/design.md, "How results come back").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from control.core.vocab import Tier
+
+# Every key the request path uses carries one hash tag, so on a Valkey/Redis cluster they
+# all hash to one slot and each Lua script (which reaches keys named inside it, not only
+# KEYS[]) runs on one shard without a cross-slot error. Spreading the region over shards
+# is by cells, each a tag of its own: docs/decisions/0015-broker-sharding.md.
+HASH_TAG = "{kb}"
+PREFIX = HASH_TAG
+TASK_NAME = "keybatch.complete"
+REPLICAS_KEY = f"{PREFIX}:replicas"
+PAID_PRIORITY = 0  # kombu's Redis transport serves lower numbers first
+FREE_PRIORITY = 6
+# A tier's requests beyond their key's fair depth wait in a list of their own, served
+# after the tier's others (and paid ones still before any free one): control/policy/admission.py.
+BEHIND_STEP = 3
+PRIORITY_STEPS = [PAID_PRIORITY, PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY, FREE_PRIORITY + BEHIND_STEP]
+PRIORITY_SEP = ":"  # kombu's `sep` transport option: "<queue><sep><priority>"
+HOLDERS_KEY = f"{PREFIX}:holders"  # replicas that may hold requests (see control/broker/failover.py)
+WASTED_KEY = f"{PREFIX}:stats:wasted"  # results that found their request answered or gone
+REPLY_TTL_S = 60
+CANCEL_TTL_MS = 120_000
+
+
+def queue_name(model: str) -> str:
+    """The model's Celery queue, which is also the Redis list kombu keeps it in (tagged)."""
+    return f"{PREFIX}.{model}"
+
+
+def priority_of(tier: Tier) -> int:
+    return PAID_PRIORITY if tier == "paid" else FREE_PRIORITY
+
+
+def is_behind(priority: object) -> bool:
+    """Does a message of this kombu priority wait behind other tenants' requests?"""
+    return priority in (PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY + BEHIND_STEP)
+
+
+def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
+    """The Redis list kombu's Redis transport keeps a queue's messages of one priority in
+    (`behind`: the tier's requests queued behind other keys' ones)."""
+    priority = priority_of(tier) + (BEHIND_STEP if behind else 0)
+    return queue_name(model) if priority == 0 else f"{queue_name(model)}{PRIORITY_SEP}{priority}"
+
+
+def reply_key(gateway_id: str) -> str:
+    return f"{PREFIX}:reply:{gateway_id}"
+
+
+def owner_key(key: str) -> str:
+    """Which gateway holds the connection of a request in flight, by its tenant-scoped key."""
+    return f"{PREFIX}:req:{key}"
+
+
+def done_key(key: str) -> str:
+    """The stored answer of a finished request, for retries with the same id."""
+    return f"{PREFIX}:done:{key}"
+
+
+def cancel_key(attempt: str) -> str:
+    return f"{PREFIX}:cancel:{attempt}"
+
+
+def lease_key(replica: str) -> str:
+    """Exists while the replica's batching loop is alive (renewed every few 100 ms)."""
+    return f"{PREFIX}:lease:{replica}"
+
+
+def held_key(replica: str) -> str:
+    """Hash of the requests a replica took from the queue and has not answered."""
+    return f"{PREFIX}:held:{replica}"
+
+
+def claim_key(attempt: str) -> str:
+    """Which replica runs an attempt (set before its batch starts)."""
+    return f"{PREFIX}:claim:{attempt}"
+
+
+def session_key(session_id: str) -> str:
+    return f"{PREFIX}:session:{session_id}"
+
+
+def waiting_key(model: str, tier: Tier, behind: bool = False) -> str:
+    """Sorted set of requests admitted but not yet in a batch, scored by deadline (`behind`:
+    those in the tier's list behind other keys' requests)."""
+    return f"{PREFIX}:waiting:{model}:{tier}{BEHIND_SUFFIX if behind else ''}"
+
+
+BEHIND_SUFFIX = ":behind"
+
+
+def tenant_of(key: str) -> str:
+    """The tenant a request's key is scoped to ("<tenant>:<id>")."""
+    return key.partition(":")[0]
+
+
+def tenant_waiting_key(model: str, tier: Tier, tenant: str) -> str:
+    """Sorted set of one tenant's requests waiting in a model's tier (either list), scored
+    by deadline: the tenant's share of the queue. Named after the tier's waiting set, so the
+    scripts that hold only a request's waiting set and tenant find it (control/broker/failover.py)."""
+    return f"{waiting_key(model, tier)}:t:{tenant}"
+
+
+def bucket_key(tier: Tier, tenant: str) -> str:
+    """Hash of one tenant's admission token bucket (tokens, when counted)."""
+    return f"{PREFIX}:bucket:{tier}:{tenant}"
+
+
+def idle_key(model: str) -> str:
+    """Sorted set of the model's idle replicas, scored by when that news goes stale."""
+    return f"{PREFIX}:idle:{model}"
+
+
+def launch_key(model: str) -> str:
+    """Sorted set of the model's replicas, scored by when each last started a batch."""
+    return f"{PREFIX}:launch:{model}"
+
+
+def replica_key(name: str) -> str:
+    return f"{PREFIX}:replica:{name}"
+
+
+def assignment_key(name: str) -> str:
+    """The model a replica was moved to: it serves that one again after a restart."""
+    return f"{PREFIX}:assign:{name}"
+
+
+class Job(BaseModel):
+    """The payload of one Celery task: one completion request.
+
+    `id` names this attempt (unique, unguessable, made by the gateway that admitted it);
+    `key` is the request as its caller names it, scoped to the caller's tenant: a retry
+    with the same key joins the attempt in flight, and its answer is kept `keep_ms`.
+    """
+
+    id: str
+    key: str
+    keep_ms: int = 0
+    model: str
+    prompt: str
+    suffix: str | None = None
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = Field(default_factory=list)
+    tier: Tier = "free"
+    gateway: str
+    received_ms: float  # when the gateway admitted it, epoch ms on the broker's clock
+    deadline_ms: float  # after which nobody waits for it, on the broker's clock
+    stream: bool = False
+    # Queued behind other tenants' requests of its tier (its tenant held its fair depth):
+    # told by the list it came from (its message's priority), not sent in the job itself.
+    behind: bool = False
+
+
+# expired: past its deadline; gone: the client hung up; retried: a retry on another
+# gateway took the request over; unavailable: the broker stopped answering; no_replica:
+# the model lost its last replica while the request waited.
+DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica"]
+
+
+class Result(BaseModel):
+    """One finished request, as a replica reports it to the gateway."""
+
+    kind: Literal["result"] = "result"
+    id: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    replica: str
+    backend: str
+    batch_size: int
+    batch_start_ms: float
+    batch_end_ms: float
+
+
+class Dropped(BaseModel):
+    """A request a replica dropped before its batch ran."""
+
+    kind: Literal["dropped"] = "dropped"
+    id: str
+    reason: DropReason
+    replica: str
+
+
+class Cancelled(BaseModel):
+    """A cancel or supersede, routed to the gateway that holds the request."""
+
+    kind: Literal["cancelled"] = "cancelled"
+    id: str
+    reason: DropReason
+
+
+class Failed(BaseModel):
+    """The engine raised for this request (`per_request`: on this request alone, which
+    would fail again) or for its whole batch. `code` and `status` name a request the
+    engine refused before it ran (a prompt too long for the model's context: 413)."""
+
+    kind: Literal["failed"] = "failed"
+    id: str
+    message: str
+    replica: str
+    per_request: bool = False
+    code: str | None = None
+    status: int | None = None
+
+
+class Chunk(BaseModel):
+    """Streamed text of a request still running: `text` continues the completion at
+    character `offset` (a re-run after failover repeats what was sent; the gateway
+    sends only what is new)."""
+
+    kind: Literal["chunk"] = "chunk"
+    id: str
+    offset: int
+    text: str
+
+
+class Reply(BaseModel):
+    """One message on a gateway's reply list: everything one batch owes that gateway."""
+
+    items: list[Annotated[Result | Dropped | Cancelled | Failed | Chunk, Field(discriminator="kind")]]

@@ -1,0 +1,396 @@
+"""`keybatch up`: broker, replicas and gateway as child processes, in the foreground.
+
+A child that dies is restarted with backoff while the rest keep serving; a dead
+replica's lease is released first, so what it held is served by the others.
+Stopping (Ctrl-C or SIGTERM) goes front to back: the gateway stops accepting and
+finishes the requests it holds, then the replicas finish what they buffered,
+then the broker stops. Every child gets SIGTERM if the supervisor dies, even by
+SIGKILL, so nothing is left running (docs/supervisor.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+from control.core.procs import child_of
+from control.core.settings import Settings
+from control.fleet.credentials import Role, credentials_path, write_operator_url
+from control.fleet.valkey import EmbeddedBroker
+
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 10.0
+HEALTHY_AFTER_S = 30.0  # a child that lived this long restarts at the first delay again
+POLL_S = 0.1  # SIGCHLD wakes the loop on a death; this bounds a missed one
+RELEASE_TIMEOUT_S = 0.5
+# A replica started again boots (Python, Celery: a second or two of a core) at a low
+# priority, so that on a shared host it does not take the CPU the serving processes
+# need while the fleet is short of one; it gets the normal priority once it has booted.
+RESTART_NICE = 10
+RENICE_AFTER_S = 5.0
+REPLICAS_PER_MODEL = 2  # the default: one can die or restart while the other serves
+
+
+class PlanError(ValueError):
+    """A deployment that cannot serve what it was asked to (a usage error)."""
+
+
+@dataclass
+class Plan:
+    workers: int | None = None  # None: REPLICAS_PER_MODEL per model
+    backend: str = "fixed"
+    policy: str = "static"
+    models: list[str] = field(default_factory=list)
+    port: int = 8000
+    quiet: bool = False
+
+    def num_workers(self) -> int:
+        return self.workers if self.workers is not None else REPLICAS_PER_MODEL * len(self.models)
+
+    def replica_models(self) -> list[str]:
+        """Spread the workers over the models, round robin."""
+        return [self.models[i % len(self.models)] for i in range(self.num_workers())]
+
+    def models_without_replica(self) -> list[str]:
+        return [m for m in self.models if m not in self.replica_models()]
+
+
+def check_plan(settings: Settings, plan: Plan) -> None:
+    """Fill in the models (all configured) and refuse a plan that cannot serve them."""
+    if not plan.models:
+        plan.models = list(settings.models)
+    unknown = [m for m in plan.models if m not in settings.models]
+    if unknown:
+        raise PlanError(f"unknown model(s) {', '.join(unknown)}; configured: {', '.join(settings.models)}")
+    bare = plan.models_without_replica()
+    if bare:
+        raise PlanError(
+            f"--workers {plan.num_workers()} leaves {', '.join(bare)} without a replica: "
+            f"{len(plan.models)} models need at least {len(plan.models)} "
+            f"(the default is {REPLICAS_PER_MODEL} per model)"
+        )
+
+
+@dataclass
+class Backoff:
+    delay_s: float = RESTART_FIRST_S
+
+    def after_death(self, lived_s: float) -> float:
+        """The wait before the next restart: doubling, reset by a long enough life."""
+        if lived_s >= HEALTHY_AFTER_S:
+            self.delay_s = RESTART_FIRST_S
+        delay = self.delay_s
+        self.delay_s = min(delay * 2, RESTART_MAX_S)
+        return delay
+
+
+Kind = Literal["replica", "gateway", "broker"]
+
+
+@dataclass
+class Child:
+    """One supervised place: a replica (its index in `System.workers`), the gateway or the broker."""
+
+    kind: Kind
+    name: str
+    index: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while it is dead
+    renice_at: float | None = None  # a restarted replica's normal priority is due then
+    backoff: Backoff = field(default_factory=Backoff)
+
+    @property
+    def label(self) -> str:
+        return f"replica {self.name}" if self.kind == "replica" else self.kind
+
+
+class System:
+    """The processes of one keybatch deployment on this host."""
+
+    def __init__(self, settings: Settings, plan: Plan) -> None:
+        self.settings = settings
+        self.plan = plan
+        check_plan(settings, plan)
+        self.broker: EmbeddedBroker | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.children: list[Child] = []
+        # The operator's URL (the supervisor's own calls, tests, tools); the children get
+        # their role's (`child_url`).
+        self.redis_url = settings.redis_url
+        self.credentials_file: Path | None = None  # where the operator's URL is left for the tools
+        self.url = f"http://{settings.host}:{plan.port}"
+        # Children log to stderr; stdout carries only `keybatch ready: URL`.
+        self.out = subprocess.DEVNULL if plan.quiet else sys.stderr
+
+    def child_url(self, role: Role) -> str:
+        """The broker URL a child of `role` gets: an embedded broker's user for that role
+        (a data-path child cannot act as the operator), else the configured URL."""
+        if self.broker is not None:
+            return self.broker.url_for(role)
+        assert self.redis_url is not None
+        return self.redis_url
+
+    def env(self, role: Role) -> dict[str, str]:
+        # In the environment (readable by this user alone), never on a command line (ps).
+        env = dict(os.environ)
+        env["KEYBATCH_REDIS_URL"] = self.child_url(role)
+        env["KEYBATCH_PORT"] = str(self.plan.port)
+        served = {m: self.settings.models[m] for m in self.plan.models}
+        env["KEYBATCH_MODELS"] = json.dumps(served)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        if self.redis_url is None:
+            self.broker = EmbeddedBroker(
+                out=self.out,
+                maxmemory_mb=self.settings.broker_maxmemory_mb,
+                operator_password=self.settings.admin_token,
+            )
+            self.redis_url = self.broker.start()
+            self.children.append(Child("broker", "embedded Valkey", started_at=time.monotonic()))
+            self._leave_credentials()
+        host = socket.gethostname()
+        # Replicas of two regions on one host (tests, demos) must not share names.
+        region = "" if self.settings.region == "local" else f".{self.settings.region}"
+        for i, model in enumerate(self.plan.replica_models()):
+            self.children.append(Child("replica", f"{model}-{i + 1}{region}@{host}", index=i))
+        self.children.append(Child("gateway", "gateway"))
+        for child in self.children:
+            if child.kind != "broker":
+                self._spawn(child)
+        self._wait_ready(timeout_s)
+
+    def _replica_cmd(self, child: Child) -> list[str]:
+        model = self.plan.replica_models()[child.index]
+        return [
+            *[sys.executable, "-m", "control", "worker"],
+            *["--model", model, "--backend", self.plan.backend, "--policy", self.plan.policy],
+            *["--name", child.name],
+        ]
+
+    def _spawn(self, child: Child) -> None:
+        """Start the child's process and put it in its place (replaces a dead one)."""
+        if child.kind == "broker":
+            assert self.broker is not None
+            self.broker.start()
+        elif child.kind == "replica":
+            restarted = child.index < len(self.workers)
+            proc = _spawn(self._replica_cmd(child), self.env("replica"), self.out, RESTART_NICE if restarted else 0)
+            child.renice_at = time.monotonic() + RENICE_AFTER_S if restarted else None
+            if child.index < len(self.workers):
+                self.workers[child.index] = proc
+            else:
+                self.workers.append(proc)
+        else:
+            cmd = [sys.executable, "-m", "control", "api", "--port", str(self.plan.port)]
+            self.gateway = _spawn(cmd, self.env("gateway"), self.out)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+
+    def _proc(self, child: Child) -> subprocess.Popen[bytes] | None:
+        if child.kind == "broker":
+            return self.broker.process if self.broker is not None else None
+        if child.kind == "replica":
+            return self.workers[child.index]
+        return self.gateway
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in [*self.workers, self.gateway]:
+                if proc is not None and proc.poll() is not None:
+                    self.stop()
+                    raise SystemExit(f"a keybatch process exited during start: {proc.args!r}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise SystemExit(f"keybatch was not ready within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Front to back; returns how many processes had to be killed."""
+        killed, t0 = 0, time.monotonic()
+        if self.gateway is not None:
+            killed += _terminate([self.gateway], timeout_s)
+        t1 = time.monotonic()
+        killed += _terminate(self.workers, timeout_s)
+        t2 = time.monotonic()
+        if not self.plan.quiet:
+            print(f"keybatch: gateway stopped in {t1 - t0:.1f} s, replicas in {t2 - t1:.1f} s", file=sys.stderr)
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        if self.credentials_file is not None:
+            self.credentials_file.unlink(missing_ok=True)
+            self.credentials_file = None
+        return killed
+
+    def _leave_credentials(self) -> None:
+        """The operator's URL in a file only this user can read, for `keybatch fleet`,
+        `drain`, `dash`, `flower` (they look for it by the gateway's port)."""
+        assert self.broker is not None
+        path = credentials_path(self.settings.secrets_dir, self.plan.port)
+        write_operator_url(path, self.broker.url)
+        self.credentials_file = path
+        if not self.plan.quiet:
+            _log(f"embedded Valkey on {self.broker.address}; the operator's credentials are in {path}")
+
+    def wait(self) -> int:
+        """Serve in the foreground, restarting what dies, until Ctrl-C or SIGTERM; then stop everything."""
+        # Taken synchronously, not by a handler: a handler that takes a lock
+        # (Event.set) deadlocked when a second signal landed inside it, as the two
+        # SIGTERMs of `timeout` (child, then group) did. Blocked signals stay pending.
+        # SIGCHLD is taken the same way, to notice a death at once.
+        stop_signals = {signal.SIGINT, signal.SIGTERM}
+        waited = stop_signals | {signal.SIGCHLD}
+        signal.pthread_sigmask(signal.SIG_BLOCK, waited)
+        while True:
+            info = signal.sigtimedwait(waited, self._next_wake_s(time.monotonic()))
+            if info is not None and info.si_signo in stop_signals:
+                break
+            self.heal()
+        print("keybatch: stopping (finishing requests in flight)", flush=True)
+        return 1 if self.stop() else 0
+
+    def _next_wake_s(self, now: float) -> float:
+        due = [c.restart_at - now for c in self.children if c.restart_at is not None]
+        return max(0.001, min([POLL_S, *due]))
+
+    def heal(self) -> None:
+        """Notice the children that died; restart those whose backoff has passed."""
+        for child in self.children:
+            if child.renice_at is not None and time.monotonic() >= child.renice_at:
+                child.renice_at = None
+                proc = self._proc(child)
+                if proc is not None:
+                    _renice(proc.pid, 0)
+            if child.restart_at is None:
+                proc = self._proc(child)
+                code = proc.poll() if proc is not None else -1
+                if code is not None:
+                    self._on_death(child, proc, code)
+            elif time.monotonic() >= child.restart_at:
+                self._restart(child)
+
+    def _on_death(self, child: Child, proc: subprocess.Popen[bytes] | None, code: int) -> None:
+        now = time.monotonic()
+        delay = child.backoff.after_death(now - child.started_at)
+        pid = proc.pid if proc is not None else 0
+        _log(f"{child.label} (pid {pid}) died ({_exit_reason(code)}) after {now - child.started_at:.1f} s")
+        if child.kind != "broker" and pid:
+            _end_group(pid)
+        if child.kind == "replica":
+            self._replica_died(child.name)
+        child.restart_at = time.monotonic() + delay
+        _log(f"{child.label}: restarting in {delay:.1f} s")
+
+    def _restart(self, child: Child) -> None:
+        try:
+            self._spawn(child)
+        except Exception as exc:  # noqa: BLE001 (a failed restart is retried, never fatal)
+            delay = child.backoff.after_death(0.0)
+            child.restart_at = time.monotonic() + delay
+            _log(f"{child.label}: restart failed ({exc}); next try in {delay:.1f} s")
+            return
+        proc = self._proc(child)
+        _log(f"{child.label} restarted (pid {proc.pid if proc else 0})")
+
+    def _replica_died(self, name: str) -> None:
+        """Release the dead replica's lease, so what it held is served by the others."""
+        # Whatever this raises is logged: the supervisor keeps supervising.
+        from control.broker.failover import release_replica
+        from control.core import connect
+
+        assert self.redis_url is not None
+        client = connect.client(
+            self.redis_url, socket_timeout=RELEASE_TIMEOUT_S, socket_connect_timeout=RELEASE_TIMEOUT_S
+        )
+        try:
+            released = release_replica(client, name, self.settings.batch_ms + self.settings.deadline_margin_ms)
+            _log(f"replica {name}: released {released}")
+        except Exception as exc:  # noqa: BLE001
+            _log(f"replica {name}: release failed: {exc!r}")
+        finally:
+            client.close()
+
+
+def _log(line: str) -> None:
+    print(f"keybatch: {line}", file=sys.stderr, flush=True)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+def _end_group(pgid: int) -> None:
+    """SIGTERM what the dead child left in its process group (a dead gunicorn
+    master's workers): they finish what they hold and free the port."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _spawn(
+    cmd: list[str], env: dict[str, str], out: IO[str] | int | None, niceness: int = 0
+) -> subprocess.Popen[bytes]:
+    """A child in its own session (Ctrl-C reaches only the supervisor, which stops the
+    children in order) that gets SIGTERM if the supervisor dies without stopping it."""
+    preexec = child_of(os.getpid())
+
+    def start() -> None:
+        preexec()
+        if niceness:
+            os.nice(niceness)
+
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=start)
+
+
+def _renice(pid: int, niceness: int) -> None:
+    """Every thread of the process (Linux keeps a priority per thread)."""
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:
+            pass  # gone, or not ours to raise (a supervisor without the privilege)
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> int:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    killed = 0
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            killed += 1
+    return killed

@@ -1,0 +1,1 @@
+"""Load against a gateway: the load generator, its HTTP client and the request bodies."""

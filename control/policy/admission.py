@@ -1,0 +1,237 @@
+"""Admission control: how deep may the queue be for a new request to fit its budget?
+
+Policy code, no I/O. The gateway asks `max_position` for the request's tier and
+budget; Redis then admits the request atomically only if its position in the
+queue (paid requests wait behind paid ones, free behind everything) is within
+it. Beyond it the answer is 429 now, not a slow 504; a budget shorter than one
+batch can never be met, and is answered 504 at once.
+
+Within a tier, keys (tenants) share: each key has a token bucket (a rate and a burst,
+per tier) and may hold at most a share of the queue its request may wait behind. A key's
+queued requests up to its fair depth (`fair_batches` batches) keep their place in line;
+beyond it a request waits in the tier's second list, behind every other key's requests of
+the tier (the replicas pop that list only when the first is empty), so a key that floods
+its tier delays itself, not the others. The admission script (api/gateway.py) applies
+`decide` to the counts it reads, atomically with the enqueue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+from control.core.vocab import Tier
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What serves one model right now."""
+
+    num_replicas: int
+    max_batch: int
+    batch_ms: float
+
+    @property
+    def per_round(self) -> int:
+        """Requests the model's replicas take in one round of batches."""
+        return self.num_replicas * self.max_batch
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.per_round * 1000.0 / self.batch_ms
+
+
+def pooled_capacity(replicas: list[tuple[int, float]]) -> Capacity:
+    """What the ready replicas of one model, each given as (max_batch, batch_ms), serve
+    together. Their batch time is the one at which they serve what each serves at its own
+    (the harmonic mean): a replica that reports a slow batch (a cold start, a stall) counts
+    for its share of the model's rate, never for the whole, so one outlier does not make
+    admission refuse budgets the others meet. A time that is not positive says nothing."""
+    times = [ms for _batch, ms in replicas if ms > 0]
+    if not replicas:
+        return Capacity(0, 1, 1.0)
+    batch_ms = len(times) / sum(1.0 / ms for ms in times) if times else 1.0
+    return Capacity(len(replicas), min(batch for batch, _ms in replicas), batch_ms)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queue_paid: int
+    max_queue_free: int
+    margin_ms: float = 15.0
+
+    def max_queue(self, tier: Tier) -> int:
+        return self.max_queue_paid if tier == "paid" else self.max_queue_free
+
+
+class Verdict(IntEnum):
+    ADMIT = 0
+    OVERLOADED = 1  # 429: retry later
+    TOO_SHORT = 2  # 504: the budget is below one batch
+    NO_REPLICA = 3  # 503
+    TENANT_RATE_LIMITED = 4  # 429: the key's own rate
+    TENANT_QUEUE_FULL = 5  # 429: the key holds its share of the queue
+
+
+def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
+    """1-based queue position of a new request: paid waits behind paid, free behind all."""
+    return paid_waiting + 1 + (free_waiting if tier == "free" else 0)
+
+
+def predict_ms(position: int, capacity: Capacity) -> float:
+    """Expected finish of the request at 1-based `position` in the queue.
+
+    The request rides in batch slot k = ceil(position / max_batch), which
+    starts at `slot_start_ms`; then the batch runs.
+    """
+    return slot_start_ms(math.ceil(position / capacity.max_batch), capacity) + capacity.batch_ms
+
+
+def slot_start_ms(slot: int, capacity: Capacity) -> float:
+    """When batch slot `slot` (1-based) starts, from now: with the replicas out of
+    phase one starts every batch_ms / replicas, the first half an interval away."""
+    return (slot - 0.5) * capacity.batch_ms / capacity.num_replicas
+
+
+def max_slots(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """Batch slots a request may wait for (including its own) within its budget."""
+    spare = budget_ms - limits.margin_ms - capacity.batch_ms
+    return max(1, math.floor(spare * capacity.num_replicas / capacity.batch_ms + 0.5))
+
+
+def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
+    """What can be said before looking at the queue."""
+    if capacity.num_replicas < 1:
+        return Verdict.NO_REPLICA
+    if budget_ms < capacity.batch_ms + limits.margin_ms:
+        return Verdict.TOO_SHORT
+    return Verdict.ADMIT
+
+
+def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
+    """The deepest queue position (1-based) at which the request still fits.
+
+    Paid requests that arrive later still go ahead of a free one until its batch
+    starts, so a free request leaves room for the paid traffic expected before the
+    last slot it may ride in starts. (Room for one batch time of paid traffic only,
+    as before, let 15% of free requests in at 2x load that paid ones then pushed
+    past their deadline: a 504 after 600 ms, and a gateway's work for nothing.)
+    """
+    slots = max_slots(budget_ms, capacity, limits)
+    deepest = slots * capacity.max_batch
+    if tier == "free":
+        deepest -= math.ceil(paid_rate_rps * slot_start_ms(slots, capacity) / 1000.0)
+    return min(deepest, limits.max_queue(tier))
+
+
+class RateMeter:
+    """Events per second over a sliding window, on the clock it is given."""
+
+    def __init__(self, window_ms: float = 1000.0) -> None:
+        self.window_ms = window_ms
+        self._start = 0.0
+        self._count = 0
+        self._last_rate = 0.0
+
+    def add(self, now_ms: float) -> None:
+        self._roll(now_ms)
+        self._count += 1
+
+    def rate(self, now_ms: float) -> float:
+        self._roll(now_ms)
+        elapsed = max(now_ms - self._start, 1.0)
+        current = self._count * 1000.0 / max(elapsed, self.window_ms / 4)
+        weight = min(1.0, elapsed / self.window_ms)
+        return weight * current + (1 - weight) * self._last_rate
+
+    def _roll(self, now_ms: float) -> None:
+        if now_ms - self._start >= self.window_ms:
+            elapsed = now_ms - self._start
+            self._last_rate = self._count * 1000.0 / elapsed if elapsed < 2 * self.window_ms else 0.0
+            self._start, self._count = now_ms, 0
+
+
+def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """When a refused request could expect to fit: a slot drains every batch_ms / replicas."""
+    excess = math.ceil(position / capacity.max_batch) - max_slots(budget_ms, capacity, limits)
+    return max(1, math.ceil(excess * capacity.batch_ms / capacity.num_replicas / 1000.0))
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What one key of a tier may have: settings, per tier."""
+
+    rate_per_s: float = 0.0  # admitted requests per second (0: no limit)
+    burst: float = 0.0  # the bucket's size (0: one second of the rate)
+    share: float = 0.5  # of the queue a request of its budget may wait behind
+    fair_batches: float = 1.0  # queued requests that keep their place, in batches
+
+    @property
+    def bucket(self) -> float:
+        return self.burst or max(1.0, self.rate_per_s)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One key's limits for a request of a given budget, as the admission script takes them."""
+
+    fair_depth: int  # the key's queued requests that keep their place in line
+    max_queued: int  # the most queued requests the key may hold (429 beyond)
+    deepest_behind: int  # the deepest position for a request behind other keys' ones
+
+
+@dataclass(frozen=True)
+class Depths:
+    """Requests waiting in a model's four lists: each tier, in line and behind."""
+
+    paid: int = 0
+    paid_behind: int = 0
+    free: int = 0
+    free_behind: int = 0
+
+
+def tenant_limits(deepest: int, capacity: Capacity, policy: TenantPolicy) -> TenantLimits:
+    """A key's share of the queue for a request whose deepest admissible position is `deepest`.
+
+    A request behind other keys' ones is admitted to the same depth: the lists in line
+    overtake it only while other keys have requests there, which their rate bounds."""
+    fair = max(1, math.ceil(policy.fair_batches * capacity.max_batch))
+    return TenantLimits(
+        fair_depth=fair,
+        max_queued=max(1, math.floor(policy.share * deepest)),
+        deepest_behind=deepest,
+    )
+
+
+def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:
+    """1-based queue position of a new request in its list: paid lists before free ones, a
+    tier's list of keys in line before its list of requests behind them."""
+    if tier == "paid":
+        return depths.paid + 1 + (depths.paid_behind if behind else 0)
+    ahead = depths.paid + depths.paid_behind + depths.free
+    return ahead + 1 + (depths.free_behind if behind else 0)
+
+
+def take_token(tokens: float, counted_ms: float, now_ms: float, policy: TenantPolicy) -> tuple[float, float]:
+    """Refill a key's bucket to `now_ms`: (tokens now, ms until one token is there: 0 if one is).
+
+    A clock that reads earlier than the last count (another gateway's) refills nothing."""
+    if policy.rate_per_s <= 0:
+        return policy.bucket, 0.0
+    elapsed = max(0.0, now_ms - counted_ms)
+    level = min(policy.bucket, tokens + elapsed * policy.rate_per_s / 1000.0)
+    wait = 0.0 if level >= 1.0 else (1.0 - level) * 1000.0 / policy.rate_per_s
+    return level, wait
+
+
+def decide(tier: Tier, queued: int, depths: Depths, deepest: int, limits: TenantLimits) -> tuple[Verdict, bool, int]:
+    """(verdict, behind, position) of a request whose key holds `queued` requests in the
+    tier's queue (the script's rule; the rate is checked before it)."""
+    behind = queued >= limits.fair_depth
+    position = lane_position(tier, depths, behind)
+    if position > (limits.deepest_behind if behind else deepest):
+        return (Verdict.TENANT_QUEUE_FULL if behind else Verdict.OVERLOADED), behind, position
+    if queued >= limits.max_queued:
+        return Verdict.TENANT_QUEUE_FULL, behind, position
+    return Verdict.ADMIT, behind, position

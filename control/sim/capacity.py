@@ -1,0 +1,558 @@
+"""`keybatch capacity`: how many replicas serve a peak rate within the SLO, surviving the
+loss of a region. First the statement's arithmetic, then the simulator (control/sim/simulate.py,
+the live batching, pull and admission policy on a virtual clock) finds the smallest
+count per region whose p99 plus the network's round trip meets the SLO while one region
+is lost and the others carry all the traffic.
+
+Regions share nothing and each model has its own queue, so one surviving region's queue
+of one model is simulated at its share of the peak and the fleet is that group times
+the regions and models (the groups are alike: no traffic crosses between them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from control.sim.simulate import (
+    CONTEXT_TOKENS,
+    MEAN_OUTPUT_TOKENS,
+    PROFILES,
+    CostModel,
+    SimConfig,
+    SimResult,
+    make_workload,
+    simulate,
+)
+from control.sim.split import simulate_split, used_processes
+
+
+@dataclass
+class Inputs:
+    rps: float = 40_000.0
+    max_batch: int = 64
+    batch_ms: float = 250.0
+    cost: CostModel | None = None
+    slo_ms: float = 600.0
+    network_ms: float = 60.0
+    headroom: float = 0.2
+    regions: int = 3
+    paid_fraction: float = 0.2
+    models: dict[str, float] | None = None
+    sim_seconds: float = 60.0
+    search_seconds: float = 20.0
+    profile: str = "poisson"
+    seed: int = 1
+    max_queue_paid: int = 10**9
+    max_queue_free: int = 10**9
+    min_answered: float = 0.999
+    policy: str = "static"
+    scope: str = "region"  # the final run: one surviving region, or the whole fleet losing a region
+    cell: int = 128  # a queue with more replicas is simulated as this many at their per-replica rate
+    processes: int = 0  # the final run's groups run in this many processes (0: one per core)
+
+    def __post_init__(self) -> None:
+        self.models = self.models or {"kb-small": 1.0}
+        if self.rps <= 0 or self.max_batch < 1 or self.batch_ms <= 0:
+            raise ValueError("rps, max-batch and batch-ms must be positive")
+        if not 0 <= self.headroom < 1:
+            raise ValueError("headroom must be in [0, 1)")
+        if self.regions < 1:
+            raise ValueError("regions must be at least 1")
+        if self.slo_ms <= self.network_ms:
+            raise ValueError("the SLO must exceed the network's round trip")
+        if not 0 <= self.paid_fraction <= 1:
+            raise ValueError("paid-fraction must be in [0, 1]")
+        if min(self.models.values()) <= 0:
+            raise ValueError("model shares must be positive")
+        if self.policy not in ("static", "continuous"):
+            raise ValueError("policy must be static or continuous")
+        if self.scope not in ("region", "fleet"):
+            raise ValueError("scope must be region or fleet")
+        if self.policy == "continuous" and self.cost is None:
+            raise ValueError("the continuous policy needs --cost-model (an engine curve)")
+        if self.cell < 1 or self.sim_seconds <= 0 or self.search_seconds <= 0:
+            raise ValueError("cell, sim-seconds and search-seconds must be positive")
+        if self.processes < 0:
+            raise ValueError("processes must be 0 (one per core) or more")
+
+    @property
+    def shares(self) -> dict[str, float]:
+        assert self.models is not None
+        total = sum(self.models.values())
+        return {name: share / total for name, share in self.models.items()}
+
+    @property
+    def surviving(self) -> int:
+        """Regions left after losing one (a single region has nothing to lose to)."""
+        return max(1, self.regions - 1)
+
+    @property
+    def budget_ms(self) -> float:
+        return self.slo_ms - self.network_ms
+
+
+def parse_models(text: str) -> dict[str, float]:
+    """`kb-small=0.8,kb-large=0.2` (a bare name has share 1)."""
+    models: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, share = part.partition("=")
+        try:
+            models[name.strip()] = float(share) if share else 1.0
+        except ValueError as exc:
+            raise ValueError(f"bad model share {part!r}: expected NAME=SHARE") from exc
+    if not models:
+        raise ValueError("no models given")
+    return models
+
+
+# -- arithmetic ---------------------------------------------------------------------------------
+
+
+def batch_ms_at(inputs: Inputs, size: int) -> float:
+    """The time `size` requests take together: one batch (static), or on a continuous
+    engine kept `size` full, each prompt's prefill plus the mean output's decode steps at
+    that batch size (the engine's throughput)."""
+    if inputs.cost is None:
+        return inputs.batch_ms
+    if inputs.policy == "continuous":
+        return size * inputs.cost.prefill_ms_for(300) + MEAN_OUTPUT_TOKENS * inputs.cost.step_ms(size, CONTEXT_TOKENS)
+    return inputs.cost.expected_batch_ms(size)
+
+
+def arithmetic(inputs: Inputs) -> dict[str, Any]:
+    """The statement's figures: one replica's rate, then counts at 100% and with headroom,
+    per region and with one region lost."""
+    full = inputs.max_batch * 1000.0 / batch_ms_at(inputs, inputs.max_batch)
+    half_size = max(1, inputs.max_batch // 2)
+    half = half_size * 1000.0 / batch_ms_at(inputs, half_size)
+    usable = full * (1.0 - inputs.headroom)
+    replicas_min = math.ceil(inputs.rps / full - 1e-9)
+    with_headroom = math.ceil(inputs.rps / usable - 1e-9)
+    per_region_normal = math.ceil(inputs.rps / inputs.regions / usable - 1e-9)
+    per_region_survive = math.ceil(inputs.rps / inputs.surviving / usable - 1e-9)
+    per_model = {
+        name: {
+            "rps": inputs.rps * share,
+            "replicas_min": math.ceil(inputs.rps * share / full - 1e-9),
+            "per_region_one_lost": math.ceil(inputs.rps * share / inputs.surviving / usable - 1e-9),
+        }
+        for name, share in inputs.shares.items()
+    }
+    return {
+        "batch_ms_full": round(batch_ms_at(inputs, inputs.max_batch), 1),
+        "replica_rps_full": round(full, 3),
+        "replica_rps_half": round(half, 3),
+        "replicas_exact": round(inputs.rps / full, 3),
+        "replicas_min": replicas_min,
+        "replicas_with_headroom": with_headroom,
+        "per_region_normal": per_region_normal,
+        "per_region_one_lost": per_region_survive,
+        "replicas_arithmetic": per_region_survive * inputs.regions,
+        "utilization_normal": round(inputs.rps / inputs.regions / (per_region_survive * full), 3),
+        "utilization_one_lost": round(inputs.rps / inputs.surviving / (per_region_survive * full), 3),
+        "per_model": per_model,
+    }
+
+
+# -- simulation ---------------------------------------------------------------------------------
+
+
+def sim_config(inputs: Inputs, replicas: list[int], models: list[str], regions: int = 1) -> SimConfig:
+    costs = {name: inputs.cost for name in models} if inputs.cost else {}
+    return SimConfig(
+        replicas=replicas,
+        models=models,
+        regions=regions,
+        max_batch=inputs.max_batch,
+        batch_ms=inputs.batch_ms,
+        costs=costs,
+        policy=inputs.policy,
+        budget_ms=inputs.budget_ms,
+        max_queue_paid=inputs.max_queue_paid,
+        max_queue_free=inputs.max_queue_free,
+    )
+
+
+def run_group(inputs: Inputs, model: str, replicas: int, rps: float, seconds: float) -> SimResult:
+    """One model's queue in one region at `rps`; a queue of more than `cell` replicas is
+    simulated as `cell` of them at the same rate per replica (pessimistic: a bigger pool
+    only spreads the starts thinner)."""
+    if replicas > inputs.cell:
+        rps, replicas = rps * inputs.cell / replicas, inputs.cell
+    workload = make_workload(rps, seconds, profile=inputs.profile, paid_fraction=inputs.paid_fraction, seed=inputs.seed)
+    return simulate(sim_config(inputs, [replicas], [model]), workload)
+
+
+def meets(inputs: Inputs, result: SimResult) -> bool:
+    summary = result.summary(inputs.network_ms)
+    return (
+        "p99_ms" in summary
+        and summary["p99_ms"] <= inputs.slo_ms
+        and summary["answered_200_share"] >= inputs.min_answered
+    )
+
+
+def search(inputs: Inputs, model: str, rps: float, start: int, limit: int = 64) -> tuple[int | None, list[dict]]:
+    """The smallest replica count for one surviving region's queue of `model` whose simulated
+    p99 + network meets the SLO with at least `min_answered` answered 200; counts from
+    `start` (100% utilization) upward, at most `limit` steps (None: none met it)."""
+    tried: list[dict] = []
+    step = max(1, start // 50)
+    count = start
+    for _ in range(limit):
+        result = run_group(inputs, model, count, rps, inputs.search_seconds)
+        summary = result.summary(inputs.network_ms)
+        tried.append(
+            {"replicas": count, "p99_ms": summary.get("p99_ms"), "answered_200_share": summary["answered_200_share"]}
+        )
+        if meets(inputs, result):
+            if step > 1 and count > start:  # refine one by one above the last failing count
+                for lower in range(count - step + 1, count):
+                    res = run_group(inputs, model, lower, rps, inputs.search_seconds)
+                    s = res.summary(inputs.network_ms)
+                    tried.append(
+                        {"replicas": lower, "p99_ms": s.get("p99_ms"), "answered_200_share": s["answered_200_share"]}
+                    )
+                    if meets(inputs, res):
+                        return lower, tried
+            return count, tried
+        count += step
+    return None, tried
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its ended children (the simulation's pool)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _searched(tasks: list[tuple[Inputs, str, float, int]], processes: int) -> list[tuple[int | None, list[dict]]]:
+    """`search` for each model, the models' searches side by side in processes of their own."""
+    processes = max(1, min(processes or os.cpu_count() or 1, len(tasks)))
+    if processes == 1:
+        return [search(*task) for task in tasks]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return pool.starmap(search, tasks, chunksize=1)
+
+
+def plan(inputs: Inputs) -> dict[str, Any]:
+    """Arithmetic, the search per model, and a final run of one surviving region at the
+    recommended counts for `sim_seconds`."""
+    out: dict[str, Any] = {"inputs": _inputs_json(inputs), "arithmetic": arithmetic(inputs)}
+    shares = inputs.shares
+    recommended: dict[str, int | None] = {}
+    searches: dict[str, list[dict]] = {name: [] for name in shares}
+    floor_ms = out["arithmetic"]["batch_ms_full"] + 15.0  # one full batch and the margin
+    if inputs.policy == "static" and inputs.budget_ms < floor_ms:
+        out["why_not"] = (
+            f"a full batch takes {floor_ms - 15:.0f} ms on this engine: a budget of {inputs.budget_ms:.0f} ms "
+            "(SLO less network) is below one batch, and admission answers 504 at once at any replica count"
+        )
+    tasks = []
+    for name, share in shares.items():
+        if "why_not" in out:
+            recommended[name] = None
+            continue
+        rps = inputs.rps * share / inputs.surviving
+        start = out["arithmetic"]["per_model"][name]["replicas_min"]
+        tasks.append((inputs, name, rps, max(1, math.ceil(start / inputs.surviving))))
+    for task, (count, tried) in zip(tasks, _searched(tasks, inputs.processes), strict=True):
+        recommended[task[1]], searches[task[1]] = count, tried
+    out["search"] = searches
+    if any(r is None for r in recommended.values()):
+        out["met"] = False
+        out["replicas_per_region"] = None
+        out["replicas"] = None
+        fallback = {n: r or out["arithmetic"]["per_model"][n]["per_region_one_lost"] for n, r in recommended.items()}
+    else:
+        out["met"] = True
+        fallback = {n: int(r) for n, r in recommended.items() if r is not None}
+    models = list(shares)
+    counts = [fallback[n] for n in models]
+    out["replicas_per_region_by_model"] = dict(zip(models, counts, strict=True))
+    if out["met"]:
+        out["replicas_per_region"] = sum(counts)
+        out["replicas"] = sum(counts) * inputs.regions
+    # The final run: one surviving region carrying its share of the whole peak.
+    started, cpu_started = time.perf_counter(), _cpu_s()
+    region_rps = inputs.rps / inputs.surviving
+    by_region: dict[str, Any] | None = None
+    if inputs.scope == "fleet":  # every region at its third of the peak, the first lost a third of the way in
+        loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
+        workload = make_workload(
+            inputs.rps,
+            inputs.sim_seconds,
+            profile=inputs.profile,
+            paid_fraction=inputs.paid_fraction,
+            model_shares=[shares[n] for n in models],
+            regions=inputs.regions,
+            seed=inputs.seed,
+        )
+        config = sim_config(inputs, counts, models, regions=inputs.regions)
+        config.region_loss_at_s = loss_at
+        processes = used_processes(config, inputs.processes or None)
+        result = simulate_split(config, workload, processes)
+        summary = result.summary(inputs.network_ms)
+        num_requests, mean_batch = len(workload), result.mean_batch()
+        per_tier = result.by_tier(inputs.network_ms)
+        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
+        by_region = result.by_region(inputs.network_ms)
+        if loss_at is not None:
+            after = workload.t_ms >= loss_at * 1000.0
+            by_region["after_the_loss"] = result.summary(inputs.network_ms, after)
+            by_region["resent"] = {"requests": result.stats["resent"]}
+        scope = f"the whole fleet: {inputs.regions} regions at {inputs.rps:.0f} req/s" + (
+            f", region 0 lost at {loss_at:.0f} s" if loss_at is not None else ""
+        )
+    elif all(c <= inputs.cell for c in counts):
+        workload = make_workload(
+            region_rps,
+            inputs.sim_seconds,
+            profile=inputs.profile,
+            paid_fraction=inputs.paid_fraction,
+            model_shares=[shares[n] for n in models],
+            seed=inputs.seed,
+        )
+        config = sim_config(inputs, counts, models)
+        processes = used_processes(config, inputs.processes or None)
+        result = simulate_split(config, workload, processes)
+        summary = result.summary(inputs.network_ms)
+        num_requests, mean_batch = len(workload), result.mean_batch()
+        per_tier = result.by_tier(inputs.network_ms)
+        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
+        scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
+    else:  # each model's queue apart, as a cell; the overall figures are the worst model's
+        processes = 1  # the cells run one after the other
+        results = {
+            n: run_group(inputs, n, c, region_rps * shares[n], inputs.sim_seconds)
+            for n, c in zip(models, counts, strict=True)
+        }
+        per_model = {n: r.summary(inputs.network_ms) for n, r in results.items()}
+        worst = max(models, key=lambda n: per_model[n].get("p99_ms") or 0.0)
+        summary, per_tier = per_model[worst], results[worst].by_tier(inputs.network_ms)
+        num_requests = sum(len(r.workload) for r in results.values())
+        mean_batch = results[worst].mean_batch()
+        scope = (
+            f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
+            f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
+        )
+    wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
+    out["replicas_min"] = out["arithmetic"]["replicas_min"]
+    out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
+    out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]
+    out["p50_ms"] = summary.get("p50_ms")
+    out["p99_ms"] = summary.get("p99_ms")
+    out["simulated"] = {
+        "scope": scope
+        if inputs.scope == "fleet"
+        else f"{scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
+        "policy": inputs.policy,
+        "seconds": inputs.sim_seconds,
+        "requests": num_requests,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),  # the wall time on a core of its own
+        "processes": processes,
+        "requests_per_wall_s": round(num_requests / wall),
+        "mean_batch": round(mean_batch, 2),
+        **summary,
+        "per_tier": per_tier,
+        "per_model": per_model,
+    }
+    if by_region is not None:
+        out["simulated"]["per_region"] = by_region
+    return out
+
+
+def load_curve(inputs: Inputs, model: str, replicas: int, loads: list[float]) -> list[dict]:
+    """p99 at a fixed count per region as the offered load (a multiple of the design rate) varies."""
+    rps = inputs.rps * inputs.shares[model] / inputs.surviving
+    points = []
+    for load in loads:
+        s = run_group(inputs, model, replicas, rps * load, inputs.search_seconds).summary(inputs.network_ms)
+        points.append({"load": load, "p99_ms": s.get("p99_ms"), "answered_200_share": s["answered_200_share"]})
+    return points
+
+
+def replica_curve(inputs: Inputs, model: str, counts: list[int]) -> list[dict]:
+    """p99 and answered share at the design rate as the count per region varies."""
+    rps = inputs.rps * inputs.shares[model] / inputs.surviving
+    points = []
+    for count in counts:
+        s = run_group(inputs, model, count, rps, inputs.search_seconds).summary(inputs.network_ms)
+        points.append({"replicas": count, "p99_ms": s.get("p99_ms"), "answered_200_share": s["answered_200_share"]})
+    return points
+
+
+def _inputs_json(inputs: Inputs) -> dict[str, Any]:
+    fields = {k: v for k, v in vars(inputs).items() if k != "cost"}
+    fields["cost_model"] = inputs.cost.name if inputs.cost else None
+    return fields
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def add_capacity_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rps", type=float, default=40_000.0, help="peak requests per second, worldwide")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--batch-ms", type=float, default=250.0, help="fixed time of any batch")
+    parser.add_argument("--cost-model", default=None, help="engine curve JSON (docs/bench/engine-*.json) instead")
+    parser.add_argument("--slo-ms", type=float, default=600.0, help="p99 end to end, network included")
+    parser.add_argument("--network-ms", type=float, default=60.0, help="client <-> gateway round trip")
+    parser.add_argument("--headroom", type=float, default=0.2)
+    parser.add_argument("--regions", type=int, default=3, help="survive losing one of them")
+    parser.add_argument("--paid-fraction", type=float, default=0.2)
+    parser.add_argument("--models", default="kb-small=0.8,kb-large=0.2")
+    parser.add_argument(
+        "--policy", choices=["static", "continuous"], default="static", help="continuous: needs --cost-model"
+    )
+    parser.add_argument(
+        "--scope",
+        choices=["region", "fleet"],
+        default="region",
+        help="final run: one surviving region (default), or every region with one lost a third of the way in",
+    )
+    parser.add_argument("--cell", type=int, default=128, help="simulate a bigger queue as this many replicas, scaled")
+    parser.add_argument(
+        "--processes", type=int, default=0, help="run the final simulation's model queues in parallel (0: one per core)"
+    )
+    parser.add_argument("--profile", choices=PROFILES, default="poisson", help="arrivals")
+    parser.add_argument("--sim-seconds", type=float, default=60.0, help="simulated time of the final run")
+    parser.add_argument("--search-seconds", type=float, default=20.0, help="simulated time of each search run")
+    parser.add_argument("--max-queue-free", type=int, default=10**9, help="admission's cap (live: MAX_QUEUE_FREE)")
+    parser.add_argument("--max-queue-paid", type=int, default=10**9, help="admission's cap (live: MAX_QUEUE_PAID)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    try:
+        cost = CostModel.from_file(args.cost_model) if args.cost_model else None
+        inputs = Inputs(
+            rps=args.rps,
+            max_batch=args.max_batch,
+            batch_ms=args.batch_ms,
+            cost=cost,
+            slo_ms=args.slo_ms,
+            network_ms=args.network_ms,
+            headroom=args.headroom,
+            regions=args.regions,
+            paid_fraction=args.paid_fraction,
+            models=parse_models(args.models),
+            sim_seconds=args.sim_seconds,
+            search_seconds=min(args.search_seconds, args.sim_seconds),
+            profile=args.profile,
+            seed=args.seed,
+            max_queue_paid=args.max_queue_paid,
+            max_queue_free=args.max_queue_free,
+            policy=args.policy,
+            scope=args.scope,
+            cell=args.cell,
+            processes=args.processes,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"keybatch capacity: {exc}", file=sys.stderr)
+        return 2
+    out = plan(inputs)
+    if args.plot:
+        first = next(iter(inputs.shares))
+        count = out["replicas_per_region_by_model"][first]
+        out["load_curve"] = {first: load_curve(inputs, first, count, [0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4])}
+        counts = sorted({max(1, round(count * f)) for f in (0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0)})
+        out["replica_curve"] = {first: replica_curve(inputs, first, counts)}
+        _plot(out, first, args.plot)
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        _print(out)
+    return 0
+
+
+def _print(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    a, i = out["arithmetic"], out["inputs"]
+    table = Table(title=f"Arithmetic at {i['rps']:,.0f} req/s (batch {i['max_batch']} in {a['batch_ms_full']} ms)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("one replica, full batches (req/s)", f"{a['replica_rps_full']:.1f}")
+    table.add_row("one replica, half-full batches (req/s)", f"{a['replica_rps_half']:.1f}")
+    table.add_row("replicas at 100% utilization", f"{a['replicas_exact']} -> {a['replicas_min']}")
+    table.add_row(f"with {i['headroom']:.0%} headroom", str(a["replicas_with_headroom"]))
+    table.add_row(f"per region, {i['regions']} regions, normal", str(a["per_region_normal"]))
+    table.add_row("per region, one region lost (survivors carry all)", str(a["per_region_one_lost"]))
+    table.add_row("fleet by arithmetic", str(a["replicas_arithmetic"]))
+    console.print(table)
+    sim = out["simulated"]
+    table = Table(title=f"Simulated: {sim['scope']}, {sim['seconds']:.0f} s")
+    for col in ("", "replicas/region", "p50 ms", "p99 ms", "queue p50 ms", "queue p99 ms", "answered 200"):
+        table.add_column(col, justify="right")
+    for name, s in sim["per_model"].items():
+        count = out["replicas_per_region_by_model"][name]
+        table.add_row(name, str(count), *_cells(s))
+    for tier, s in sim["per_tier"].items():
+        table.add_row(tier, "", *_cells(s))
+    console.print(table)
+    verdict = (
+        f"recommended: {out['replicas_per_region']} replicas per region, {out['replicas']} in all "
+        f"(p99 {out['p99_ms']} ms with the network, SLO {i['slo_ms']:.0f} ms, one region lost)"
+        if out["met"]
+        else "no replica count searched met the SLO: see the search figures (--json)"
+    )
+    console.print(verdict)
+    console.print(
+        f"simulation: {sim['requests']:,} requests in {sim['wall_s']} s of wall time ({sim['cpu_s']} s of CPU)"
+    )
+
+
+def _cells(s: dict[str, Any]) -> list[str]:
+    return [
+        str(s.get("p50_ms", "-")),
+        str(s.get("p99_ms", "-")),
+        str(s.get("queue_p50_ms", "-")),
+        str(s.get("queue_p99_ms", "-")),
+        f"{s['answered_200_share']:.2%}",
+    ]
+
+
+def _plot(out: dict[str, Any], model: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    slo = out["inputs"]["slo_ms"]
+    panels = (
+        (left, out["replica_curve"][model], "replicas", f"{model} replicas per region, one region lost"),
+        (
+            right,
+            out["load_curve"][model],
+            "load",
+            f"offered load (x design rate), {out['replicas_per_region_by_model'][model]} replicas",
+        ),
+    )
+    for axis, points, key, label in panels:
+        shown = [p for p in points if p["p99_ms"] is not None]
+        axis.plot([p[key] for p in shown], [p["p99_ms"] for p in shown], marker="o", label="p99 end to end")
+        axis.axhline(slo, color="red", linestyle="--", label="SLO")
+        axis.set_xlabel(label)
+        axis.set_ylabel("p99 end to end (ms)")
+        share = axis.twinx()  # admission holds the p99 under the budget: what it refuses shows here
+        share.plot([p[key] for p in points], [100 * p["answered_200_share"] for p in points], color="green", marker="x")
+        share.set_ylabel("answered 200 (%)", color="green")
+        axis.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,1 @@
+"""The engine contract a replica drives, and the fixed-latency simulated engine."""

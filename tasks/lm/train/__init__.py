@@ -1,0 +1,1 @@
+"""Building and judging the local code models: corpus, training and quality."""

@@ -1,0 +1,162 @@
+"""The batch-forming policy of one replica. Policy code: no Celery, no torch.
+
+A replica holds a buffer of waiting requests. When the replica is free it starts a
+batch as soon as the buffer is full (`max_batch`) or the launch time has come:
+the oldest request's arrival in the buffer plus `max_wait_ms`, pulled earlier by
+the tightest deadline in the buffer (a request must start by its deadline minus
+one batch). Arrival in the buffer, not at the gateway: when requests reach the
+replica late (a burst, a slow consumer) it still gathers the ones right behind
+instead of launching each alone, and the deadline term bounds the wait.
+Paid requests fill a batch before free ones; a free request that has waited
+`paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
+A free request `behind` other tenants' ones (its tenant held its fair depth of the queue,
+control/policy/admission.py) ranks after every request in line, whatever its age: a replica
+that pulled it while the lists in line were empty still runs a newer one in line first.
+A paid request behind other paid tenants' ones still ranks as paid: the tier comes
+first, and among paid tenants the broker's lanes already keep the order.
+
+Under heavy load replicas of a model that run back-to-back batches lock in phase:
+all of them start together, every T, and each request waits for the next common
+start. `not_before_ms` (set by the replica from its peers' launches, see
+`stagger_from`) holds a batch that is not full until one batch time divided by
+the replicas has passed since the latest launch of a peer, so starts spread out
+to every T/R; the deadline term still bounds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.core.vocab import Tier
+
+BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
+
+
+@dataclass(slots=True)
+class Pending:
+    """One request in a replica's buffer."""
+
+    id: str
+    tier: Tier
+    received_ms: float  # when the gateway admitted it
+    deadline_ms: float  # when its client stops waiting
+    payload: Any = None  # the job, for the glue
+    arrived_ms: float = -1.0  # when it reached this replica's buffer (default: received_ms)
+    behind: bool = False  # queued behind other tenants' requests of its tier
+
+    def __post_init__(self) -> None:
+        if self.arrived_ms < 0:
+            self.arrived_ms = self.received_ms
+
+    def rank(self, paid_boost_ms: float) -> float:
+        if self.tier == "paid":
+            return self.received_ms - paid_boost_ms
+        return self.received_ms + (BEHIND_MS if self.behind else 0.0)
+
+
+@dataclass
+class CollectorConfig:
+    max_batch: int = 64
+    max_wait_ms: float = 20.0
+    batch_ms: float = 250.0  # expected time of the next batch
+    paid_boost_ms: float = 300.0
+    margin_ms: float = 15.0  # slack for the trip back to the client
+    stagger_fill: float = 0.5  # stagger starts after a batch at least this full
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        if min(self.max_wait_ms, self.batch_ms, self.paid_boost_ms, self.margin_ms, self.stagger_fill) < 0:
+            raise ValueError("times must not be negative")
+
+
+@dataclass
+class Collector:
+    config: CollectorConfig
+    waiting: list[Pending] = field(default_factory=list)
+    not_before_ms: float = 0.0  # a batch that is not full starts no earlier (staggering)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, pending: Pending) -> None:
+        self.waiting.append(pending)
+
+    def num_free(self) -> int:
+        """Free requests that a late paid one would displace from the next batch."""
+        return min(self.config.max_batch, sum(p.tier == "free" for p in self.waiting))
+
+    def num_behind(self) -> int:
+        """Free requests behind other tenants' ones that a late free one in line would displace."""
+        return min(self.config.max_batch, sum(p.behind and p.tier == "free" for p in self.waiting))
+
+    def ids(self) -> list[str]:
+        return [p.id for p in self.waiting]
+
+    def can_finish(self, pending: Pending, now_ms: float) -> bool:
+        return now_ms + self.config.batch_ms + self.config.margin_ms <= pending.deadline_ms
+
+    def launch_at(self) -> float | None:
+        """Epoch ms at which a free replica should start a batch; None when empty."""
+        if not self.waiting:
+            return None
+        c = self.config
+        oldest = min(p.arrived_ms for p in self.waiting)
+        tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms
+        return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
+
+    def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:
+        """Set `not_before_ms` from when the other replicas of the model last started.
+
+        Only under heavy load (the last batch at least `stagger_fill` full): at low
+        load a request should not wait for a phase. Starts spread to every
+        batch time / replicas after the latest peer start.
+        """
+        c = self.config
+        recent = [t for t in peer_launches_ms if now_ms - t < 2 * c.batch_ms]
+        if not recent or last_batch < c.stagger_fill * c.max_batch:
+            self.not_before_ms = 0.0
+            return
+        self.not_before_ms = max(recent) + c.batch_ms / (len(recent) + 1)
+
+    def wait_ms(self, now_ms: float) -> float | None:
+        """How long a free replica should wait before it starts a batch (0: now)."""
+        launch = self.launch_at()
+        if launch is None:
+            return None
+        if len(self.waiting) >= self.config.max_batch:
+            return 0.0
+        return max(0.0, launch - now_ms)
+
+    def remove(self, ids: set[str]) -> list[Pending]:
+        """Take the given requests out of the buffer (cancelled or superseded)."""
+        gone = [p for p in self.waiting if p.id in ids]
+        if gone:
+            self.waiting = [p for p in self.waiting if p.id not in ids]
+        return gone
+
+    def pop_expired(self, now_ms: float) -> list[Pending]:
+        """Take out the requests that can no longer finish before their deadline."""
+        late = [p for p in self.waiting if not self.can_finish(p, now_ms)]
+        if late:
+            self.waiting = [p for p in self.waiting if self.can_finish(p, now_ms)]
+        return late
+
+    def pop_batch(self, limit: int | None = None) -> list[Pending]:
+        """The next batch: up to `max_batch` (or `limit`) requests, paid ahead of free, with aging."""
+        boost = self.config.paid_boost_ms
+        size = self.config.max_batch if limit is None else min(limit, self.config.max_batch)
+        self.waiting.sort(key=lambda p: p.rank(boost))
+        batch: list[Pending] = []
+        seen: set[str] = set()
+        taken = 0
+        for pending in self.waiting:
+            if len(batch) == size:
+                break
+            taken += 1
+            if pending.id not in seen:  # a second copy (re-queued while this one waited) runs once
+                seen.add(pending.id)
+                batch.append(pending)
+        self.waiting = self.waiting[taken:]
+        return batch

@@ -1,0 +1,1 @@
+"""Against a real Valkey, without Celery workers or a gateway."""

@@ -1,0 +1,223 @@
+"""Contract tests of the modules that reach into libraries' internals, each against the
+real library (and a real Valkey where it talks to one): an upgrade that moves what
+they touch fails here, not in production. The queue message's envelope has its own
+(`test_messages.py`)."""
+
+from __future__ import annotations
+
+import http.client
+import inspect
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+from celery.worker.consumer import Consumer as CeleryConsumer
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.connection import Connection as KombuConnection
+from kombu.exceptions import OperationalError
+
+from api.server.headers import read_headers
+from control.core.settings import Settings
+from control.fleet.valkey import EmbeddedBroker
+from tasks.celery import celery_internals, kombu_internals
+from tasks.celery.app import make_celery
+
+
+@pytest.fixture(scope="module")
+def broker_url() -> object:
+    with EmbeddedBroker() as broker:
+        yield broker.url
+
+
+# -- the header parser (gevent's pywsgi message, the email package's field list) --
+
+BLOCKS = [
+    b"Host: a\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n",
+    b"host: a\r\nX-Dup: 1\r\nx-dup: 2\r\nAuthorization:  Bearer k  \r\n\r\n",
+    b"Host: a\nX-Bare-Lf: yes\n\n",
+    b"\r\n",
+]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_the_header_parser_builds_what_http_client_builds(block: bytes) -> None:
+    from gevent.pywsgi import OldMessage
+
+    ours = read_headers(io.BytesIO(block))
+    theirs = http.client.parse_headers(io.BytesIO(block), _class=OldMessage)
+    assert type(ours) is type(theirs)
+    assert ours.status == theirs.status == ""
+    assert [name.lower() for name in ours.keys()] == [name.lower() for name in theirs.keys()]
+    for name in theirs.keys():
+        assert ours.get_all(name) == [" ".join(v.split()) for v in theirs.get_all(name)]
+        assert ours[name] is not None and name.upper() in ours  # case-insensitive, like email's
+    # pywsgi reads the fields from the list email keeps them in, to build the environ
+    assert [name for name, _value in ours._headers] == [name for name, _value in theirs._headers]
+
+
+@pytest.mark.parametrize(
+    ("block", "status"),
+    [
+        (b"Host a\r\n\r\n", "Invalid header line"),
+        (b"Bad Name: x\r\n\r\n", "Invalid header line"),
+        (b"X: a\rb\r\n\r\n", "Invalid header line"),
+        (b" X: folded first\r\n\r\n", "Invalid header line"),
+        (b"Host: a\r\nX-Folded: one\r\n  two\r\n\r\n", "Obsolete line folding"),
+        (b"X: " + b"a" * 70_000 + b"\r\n\r\n", "Line too long"),
+        (b"".join(b"X%d: v\r\n" % i for i in range(101)) + b"\r\n", "Too many headers"),
+    ],
+)
+def test_a_malformed_header_block_sets_the_status_pywsgi_answers_400(block: bytes, status: str) -> None:
+    assert read_headers(io.BytesIO(block)).status == status
+
+
+# -- redis-py's pooled-connection check under gevent -------------------------------
+
+POLL_PROBE = """
+from gevent import monkey
+monkey.patch_all()
+import json, sys
+import redis
+from redis._parsers import hiredis
+from api.server.redis_internals import unpatched_pool_checks
+
+patched_poll = hiredis.select.poll
+unpatched_pool_checks()
+calls = []
+real_poll = hiredis.select.poll
+def counting_poll(*args):
+    calls.append(1)
+    return real_poll(*args)
+hiredis.select.poll = counting_poll
+client = redis.Redis.from_url(sys.argv[1])
+client.ping()
+client.ping()
+print(json.dumps({
+    "patched_was_gevent": patched_poll is not monkey.get_original("select", "poll"),
+    "now_original": real_poll is monkey.get_original("select", "poll"),
+    "parser": type(client.connection_pool.get_connection()._parser).__name__,
+    "polls": len(calls),
+}))
+"""
+
+
+def test_redis_py_checks_pooled_connections_through_the_poll_we_swap(broker_url: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", POLL_PROBE, broker_url], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["patched_was_gevent"], "gevent no longer patches the poll redis-py uses: the swap is moot"
+    assert seen["now_original"]
+    assert seen["parser"] == "_HiredisParser"
+    assert seen["polls"] >= 1, "redis-py no longer polls through redis._parsers.hiredis.select"
+
+
+# -- kombu's Redis channel: the pull gate ------------------------------------------
+
+
+def test_the_pull_gate_holds_messages_in_the_queue_until_it_opens(broker_url: str) -> None:
+    queue = Queue("gate-contract", Exchange("gate-contract", type="direct"), routing_key="gate-contract")
+    received: list[str] = []
+    shut_calls: list[int] = []
+    state = {"open": False}
+    with Connection(broker_url) as conn:
+        channel = conn.channel()
+        Producer(conn.channel()).publish("hello", exchange=queue.exchange, routing_key="gate-contract", declare=[queue])
+        assert hasattr(channel, "_in_poll")
+        kombu_internals.gate_pulls(channel, lambda: state["open"], lambda: shut_calls.append(1))
+        with Consumer(channel, [queue], callbacks=[lambda body, message: (received.append(body), message.ack())]):
+            with pytest.raises(socket.timeout):
+                conn.drain_events(timeout=0.5)
+            assert received == [] and shut_calls, "the channel pulled without asking the gate"
+            state["open"] = True
+            deadline = time.monotonic() + 5
+            while not received and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+    assert received == ["hello"]
+
+
+# -- Celery's event dispatcher: paced flushes --------------------------------------
+
+
+def test_paced_task_events_wait_in_the_buffer_until_the_timer_flushes_them(broker_url: str) -> None:
+    app = make_celery(Settings(redis_url=broker_url, models={"kb-small": "kb-small"}))
+    timers: list[tuple[float, object]] = []
+    listener = redis.Redis.from_url(broker_url).pubsub()
+    listener.psubscribe("*celeryev*")
+    listener.get_message(timeout=1)  # the subscription's confirmation
+    with app.connection_for_write() as conn:
+        dispatcher = app.events.Dispatcher(conn, buffer_group=["task"], enabled=True)
+        celery_internals.pace_dispatcher(dispatcher, lambda s, f: timers.append((s, f)), 0.05, buffer_limit=64)
+        assert dispatcher.buffer_limit == 64
+        for i in range(3):
+            dispatcher.send("task-received", uuid=f"id{i}")
+        assert len(timers) == 1 and timers[0][0] == 0.05, "one timer per flush, not one per event"
+        assert listener.get_message(timeout=0.3) is None, "an event went out before the flush"
+        timers[0][1]()  # the timer fires
+        message = listener.get_message(timeout=2)
+        assert message is not None and message["type"] == "pmessage"
+        dispatcher.send("task-started", uuid="id0")
+        assert len(timers) == 2, "after a flush the next event sets a new timer"
+        dispatcher.close()
+    listener.close()
+    app.close()
+
+
+def test_the_consumer_reconnects_through_the_hook_we_wrap() -> None:
+    assert list(inspect.signature(CeleryConsumer.ensure_connected).parameters) == ["self", "conn"]
+    assert "ensure_connection" in inspect.getsource(CeleryConsumer.ensure_connected)
+    # kombu honours the intervals we pass: two retries to a closed port take
+    # 0.1 s with ours, where its defaults (2, 4, ... s) would take 2 s or more
+    from tests.conftest import free_port
+
+    start_s = time.monotonic()
+    with KombuConnection(f"redis://127.0.0.1:{free_port()}/0") as dead, pytest.raises(OperationalError):
+        dead.ensure_connection(max_retries=2, interval_start=0.05, interval_step=0.05, interval_max=0.05)
+    assert time.monotonic() - start_s < 1.5
+
+    class Fake:
+        def ensure_connected(self, conn: object) -> object:
+            return conn
+
+    calls: list[dict] = []
+
+    class Conn:
+        def ensure_connection(self, **kwargs: object) -> None:
+            calls.append(kwargs)
+
+    consumer = Fake()
+    celery_internals.reconnect_quickly(consumer)
+    conn = Conn()
+    assert consumer.ensure_connected(conn) is conn
+    conn.ensure_connection()
+    start, step, most = celery_internals.RECONNECT_EVERY_S
+    assert calls == [{"interval_start": start, "interval_step": step, "interval_max": most}]
+
+
+def test_the_wrapped_modules_are_the_only_ones_that_reach_in() -> None:
+    """Each internal is touched in its adapter alone."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    where = {
+        "_in_poll": {"tasks/celery/kombu_internals.py"},
+        "on_send_buffered": {"tasks/celery/celery_internals.py"},
+        "message._headers": {"api/server/headers.py"},
+        "hiredis": {"api/server/redis_internals.py"},
+    }
+    for needle, allowed in where.items():
+        found = {
+            str(path.relative_to(root))
+            for package in ("api", "control", "tasks", "tui")
+            for path in (root / package).rglob("*.py")
+            if needle in path.read_text()
+        }
+        assert found <= allowed, f"{needle} reached from {sorted(found - allowed)}"

@@ -1,0 +1,1 @@
+"""Whole deployments: real Valkey, Celery worker processes and the HTTP server."""

@@ -1,0 +1,1 @@
+"""The benchmarks, chaos runs and the layering of the code itself."""

@@ -1,0 +1,1 @@
+"""Policy code on plain data: no broker, no processes, no torch."""

@@ -1,0 +1,118 @@
+"""The batch-forming policy on a manual clock."""
+
+from __future__ import annotations
+
+from tasks.policy.collector import Collector, CollectorConfig, Pending
+
+
+def make_pending(i: int, at: float = 0.0, tier: str = "free", deadline: float = 600.0) -> Pending:
+    return Pending(id=f"r{i}", tier=tier, received_ms=at, deadline_ms=at + deadline)  # type: ignore[arg-type]
+
+
+def make_collector(**kw: float) -> Collector:
+    return Collector(CollectorConfig(**{"max_batch": 4, "max_wait_ms": 20.0, "batch_ms": 250.0, **kw}))
+
+
+def test_empty_buffer_waits_for_nothing() -> None:
+    assert make_collector().wait_ms(0.0) is None
+
+
+def test_a_full_buffer_starts_at_once() -> None:
+    c = make_collector()
+    for i in range(4):
+        c.add(make_pending(i, at=0.0))
+    assert c.wait_ms(1.0) == 0.0
+
+
+def test_a_lone_request_waits_max_wait_then_goes() -> None:
+    c = make_collector()
+    c.add(make_pending(0, at=100.0))
+    assert c.wait_ms(105.0) == 15.0
+    assert c.wait_ms(120.0) == 0.0
+
+
+def test_the_tightest_deadline_pulls_the_launch_earlier() -> None:
+    c = make_collector(max_wait_ms=100.0, margin_ms=15.0)
+    c.add(make_pending(0, at=0.0, deadline=600.0))
+    c.add(make_pending(1, at=0.0, deadline=270.0))  # must start by 270 - 250 - 15 = 5
+    assert c.wait_ms(0.0) == 5.0
+
+
+def test_paid_fills_the_batch_before_free() -> None:
+    c = make_collector(paid_boost_ms=300.0)
+    for i in range(4):
+        c.add(make_pending(i, at=float(i)))
+    c.add(make_pending(10, at=50.0, tier="paid"))
+    batch = c.pop_batch()
+    assert batch[0].id == "r10"
+    assert [p.id for p in batch[1:]] == ["r0", "r1", "r2"]
+    assert c.ids() == ["r3"]
+
+
+def test_aging_lets_an_old_free_request_beat_a_new_paid_one() -> None:
+    c = make_collector(max_batch=1, paid_boost_ms=300.0)
+    c.add(make_pending(0, at=0.0))
+    c.add(make_pending(1, at=400.0, tier="paid"))
+    assert c.pop_batch()[0].id == "r0"
+
+
+def test_requests_that_cannot_finish_in_time_are_taken_out() -> None:
+    c = make_collector(margin_ms=15.0)
+    c.add(make_pending(0, at=0.0, deadline=300.0))
+    c.add(make_pending(1, at=0.0, deadline=600.0))
+    late = c.pop_expired(now_ms=40.0)  # 40 + 250 + 15 > 300
+    assert [p.id for p in late] == ["r0"]
+    assert c.ids() == ["r1"]
+
+
+def test_cancelled_requests_leave_the_buffer() -> None:
+    c = make_collector()
+    for i in range(3):
+        c.add(make_pending(i))
+    assert [p.id for p in c.remove({"r1"})] == ["r1"]
+    assert c.ids() == ["r0", "r2"]
+
+
+def test_under_heavy_load_a_batch_waits_for_its_phase_behind_a_peer() -> None:
+    # Two replicas; the peer started at 250, this one frees at 252 with 3 of 4 waiting.
+    c = make_collector()
+    for i in range(3):
+        c.add(make_pending(i, at=100.0, deadline=2000.0))
+    c.stagger_from([250.0], last_batch=4, now_ms=252.0)
+    assert c.wait_ms(252.0) == 250.0 + 125.0 - 252.0  # half a batch time after the peer
+    c.add(make_pending(3, at=260.0))
+    assert c.wait_ms(261.0) == 0.0  # full: it goes at once
+
+
+def test_the_phase_yields_to_the_deadline_and_to_light_load() -> None:
+    c = make_collector(margin_ms=15.0)
+    c.add(make_pending(0, at=100.0, deadline=600.0))  # must start by 700 - 250 - 15 = 435
+    c.stagger_from([300.0], last_batch=4, now_ms=302.0)  # phase says 425
+    assert c.wait_ms(302.0) == 425.0 - 302.0
+    c.stagger_from([400.0], last_batch=4, now_ms=402.0)  # phase says 525: the deadline (435) wins
+    assert c.wait_ms(402.0) == 435.0 - 402.0
+    c.stagger_from([400.0], last_batch=1, now_ms=402.0)  # light load: no phase, max_wait rules
+    assert c.wait_ms(402.0) == 0.0
+    c.stagger_from([0.0], last_batch=4, now_ms=900.0)  # a peer silent for two batch times is ignored
+    assert c.not_before_ms == 0.0
+
+
+def test_a_second_copy_of_a_request_in_the_buffer_runs_once() -> None:
+    c = Collector(CollectorConfig(max_batch=3))
+    for i, rid in enumerate(["a", "b", "a", "c", "d"]):
+        c.add(Pending(rid, "free", received_ms=float(i), deadline_ms=10_000.0))
+    assert [p.id for p in c.pop_batch()] == ["a", "b", "c"]  # the copy of a is dropped
+    assert [p.id for p in c.waiting] == ["d"]
+
+
+def test_a_paid_request_behind_other_paid_tenants_still_goes_before_free_ones() -> None:
+    c = make_collector(max_batch=2)
+    free = make_pending(0, at=0.0)
+    free_behind = make_pending(1, at=0.0)
+    free_behind.behind = True
+    paid_behind = make_pending(2, at=50.0, tier="paid")
+    paid_behind.behind = True
+    for pending in (free_behind, free, paid_behind):
+        c.add(pending)
+    assert [pd.id for pd in c.pop_batch()] == ["r2", "r0"]  # the tier first, then the lane
+    assert c.num_behind() == 1  # only a free request behind is displaced by a free one in line

@@ -1,0 +1,157 @@
+"""The simulator: it runs the live policy objects, reproduces what queueing says it must,
+and keeps every request accounted for through host and region loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from control.policy import admission
+from control.sim import simulate as sim
+from control.sim.simulate import CANCELLED, EXPIRED, LATE, OK, REFUSED, SimConfig, Simulation, make_workload, simulate
+from tasks.policy.collector import Collector
+from tasks.policy.pullgate import PullGate
+
+
+def make_config(replicas: int = 2, **kw: object) -> SimConfig:
+    return SimConfig(replicas=[replicas], **kw)  # type: ignore[arg-type]
+
+
+def test_the_policy_objects_are_the_live_ones() -> None:
+    run = Simulation(make_config(3), make_workload(10, 1, seed=1))
+    replica = run.groups[0].replicas[0]
+    assert type(replica.collector) is Collector
+    assert type(replica.gate) is PullGate
+    assert sim.admission is admission
+
+
+def test_low_load_waits_max_wait_then_one_batch() -> None:
+    result = simulate(make_config(4), make_workload(4, 60, seed=2))
+    s = result.summary()
+    assert s["answered_200_share"] == 1.0
+    assert 19.0 <= s["queue_p50_ms"] <= 25.0  # max_wait_ms (20) and nothing else
+    assert 269.0 <= s["p50_ms"] <= 276.0  # max_wait + batch_ms
+    assert result.mean_batch() < 1.3
+
+
+def test_at_ninety_percent_batches_fill_and_p99_fits() -> None:
+    result = simulate(make_config(2), make_workload(461, 30, seed=3))
+    s = result.summary()
+    assert 0.99 <= s["answered_200_share"]
+    assert 54 <= result.mean_batch() <= 64  # rate x batch time / replicas = 57.6
+    assert s["p99_ms"] <= 540.0  # the budget: admission lets in only what fits
+
+
+def test_overload_sheds_with_429_and_keeps_the_latency_of_the_admitted() -> None:
+    result = simulate(make_config(2), make_workload(768, 20, seed=4))  # rho = 1.5
+    counts = result.counts()
+    refused = counts.get("refused_429", 0) / len(result.state)
+    assert 0.25 <= refused <= 0.40  # about 1 - 1/rho
+    assert result.summary()["p99_ms"] <= 540.0
+    assert result.mean_batch() >= 62
+
+
+def test_same_seed_same_run() -> None:
+    config = make_config(3, host_loss_at_s=5.0, host_size=1)
+    a = simulate(config, make_workload(600, 10, profile="typing", seed=5))
+    b = simulate(make_config(3, host_loss_at_s=5.0, host_size=1), make_workload(600, 10, profile="typing", seed=5))
+    assert np.array_equal(a.state, b.state)
+    assert np.array_equal(a.end_ms, b.end_ms)
+    c = simulate(make_config(3), make_workload(600, 10, profile="typing", seed=6))
+    assert not np.array_equal(a.end_ms[: len(c.end_ms)], c.end_ms[: len(a.end_ms)])
+
+
+def test_host_loss_requeues_what_it_held() -> None:
+    config = make_config(4, host_loss_at_s=5.1, host_size=2, restart_s=3.0, budget_ms=2000.0)
+    result = simulate(config, make_workload(700, 12, seed=7))
+    assert result.stats["requeued"] > 64  # a running batch and more
+    assert result.counts().get("lost", 0) == 0
+    assert set(np.unique(result.state)) <= {OK, REFUSED, EXPIRED, LATE}  # every request answered once
+    assert result.summary()["answered_200_share"] >= 0.97
+
+
+def test_host_loss_with_a_600_ms_budget_answers_what_it_held_504() -> None:
+    """The lease (300 ms) and the sweep (100 ms) leave less than one batch of a 540 ms budget."""
+    result = simulate(make_config(4, host_loss_at_s=5.1, host_size=2), make_workload(700, 12, seed=7))
+    assert result.stats["requeued"] == 0
+    assert result.counts().get("lost", 0) == 0
+    assert 64 <= result.counts()["expired_504"]
+
+
+def test_superseded_requests_cost_no_batch_while_queued() -> None:
+    result = simulate(make_config(2), make_workload(300, 20, profile="typing", seed=8))
+    cancelled = result.state == CANCELLED
+    assert cancelled.sum() > 1000  # typing: most requests are superseded by the next keystroke
+    ran = result.start_ms > 0
+    # A batch row is a request that started; a cancelled one that started was running already.
+    assert result.stats["batch_rows"] == int(ran.sum())
+    assert int((cancelled & ran).sum()) == result.stats["wasted"]
+    assert int((cancelled & ~ran).sum()) > 0  # superseded while queued: never ran
+
+
+def test_region_loss_sends_what_was_in_flight_to_the_others() -> None:
+    config = SimConfig(replicas=[3], regions=3, region_loss_at_s=5.0)
+    result = simulate(config, make_workload(1200, 10, regions=3, seed=9))
+    assert result.stats["resent"] > 0
+    assert result.counts().get("lost", 0) == 0
+    after = result.workload.t_ms > 5_100.0
+    region = result.group // 1
+    assert not np.any(after & (region == 0) & (result.state == OK))  # nothing answered by the lost region
+    assert result.summary()["answered_200_share"] >= 0.95
+
+
+def test_continuous_policy_runs_the_live_scheduler_and_beats_static_on_the_engine_curve() -> None:
+    from control.sim.simulate import CostModel
+    from tasks.policy.scheduler import ContinuousScheduler
+
+    cost = CostModel.from_file("docs/bench/engine-small.json")
+    workload = make_workload(30, 40, seed=10)  # 7.5 req/s a replica: static sustains 8.9 at full batches
+    runs = {
+        policy: simulate(SimConfig(replicas=[4], costs={"kb-small": cost}, policy=policy, budget_ms=10_000.0), workload)
+        for policy in ("static", "continuous")
+    }
+    engine = (
+        Simulation(SimConfig(replicas=[1], costs={"kb-small": cost}, policy="continuous"), make_workload(1, 1))
+        .groups[0]
+        .replicas[0]
+        .engine
+    )
+    assert engine is not None and type(engine.scheduler) is ContinuousScheduler
+    static, continuous = (runs[p].summary() for p in ("static", "continuous"))
+    assert continuous["answered_200_share"] == 1.0
+    assert continuous["p50_ms"] < static["p50_ms"] / 2  # a short answer leaves when it is done
+    assert runs["continuous"].stats["batches"] > 10 * runs["static"].stats["batches"]  # steps, not batches
+
+
+def test_continuous_policy_aborts_superseded_requests() -> None:
+    from control.sim.simulate import CostModel
+
+    cost = CostModel.from_file("docs/bench/engine-small.json")
+    config = SimConfig(replicas=[2], costs={"kb-small": cost}, policy="continuous", budget_ms=5_000.0)
+    result = simulate(config, make_workload(10, 30, profile="typing", seed=11))
+    assert result.counts()["cancelled_409"] > 50
+    assert result.counts().get("lost", 0) == 0
+    assert result.summary()["answered_200_share"] >= 0.99
+
+
+def test_a_request_a_pull_brings_after_the_gate_shut_is_handed_back_not_kept() -> None:
+    workload = make_workload(154, 20, paid_fraction=0.0, seed=1)  # 30% of two replicas
+    keep = simulate(make_config(2, pull_in_flight="keep"), workload)
+    back = simulate(make_config(2, pull_in_flight="hand_back"), workload)
+    assert keep.stats["taken_shut"] > 0 and back.stats["taken_shut"] > 0
+    assert back.summary()["p50_ms"] < 0.95 * keep.summary()["p50_ms"]  # kept ones wait for a batch to end
+
+
+def test_a_curve_scaled_to_the_serving_engine_is_written_and_read_back(tmp_path: Path) -> None:
+    measured = sim.CostModel.from_file(Path(__file__).parents[2] / "docs" / "bench" / "engine-small.json")
+    served = measured.scaled(decode=1.1, prefill=1.3, step_overhead_ms=0.9)
+    path = tmp_path / "served.json"
+    path.write_text(json.dumps(served.as_json()))
+    back = sim.CostModel.from_file(path)
+    assert back == served
+    assert back.step_ms(4, 300) == pytest.approx(1.1 * measured.step_ms(4, 300))
+    step = 1.1 * measured.step_ms(1, 205) + 0.9  # a lone request: its prefill, then a step per token
+    assert back.batch_ms([200], [10]) == pytest.approx(1.3 * measured.prefill_ms_for(200) + 10 * step)
