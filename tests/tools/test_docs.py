@@ -75,7 +75,7 @@ def test_settings_table_names_every_field_and_its_default() -> None:
     expected = expected_rows()
     assert sorted(set(expected) - set(documented)) == [], "settings missing from docs/operations.md"
     assert sorted(set(documented) - set(expected)) == [], "docs/operations.md names settings that do not exist"
-    wrong = {name: (documented[name][0], default) for name, default in expected.items() if documented[name][0] != default}
+    wrong = {name: (documented[name][0], value) for name, value in expected.items() if documented[name][0] != value}
     assert wrong == {}, "defaults in docs/operations.md differ from Settings: (documented, actual)"
     assert all(meaning for _, meaning in documented.values()), "a setting without a meaning"
 
