@@ -14,7 +14,7 @@ import pytest
 import redis
 import requests
 
-from control.core import protocol as p
+from control.broker import keys
 from control.core.procs import free_port
 from control.core.settings import Settings
 from control.fleet.up import Plan, System
@@ -129,13 +129,13 @@ def kb() -> Iterator[Deployment]:
 def held_counts(kb: Deployment) -> dict[str, int]:
     """Requests each replica holds now, by held-hash key."""
     state = redis.Redis.from_url(kb.system.redis_url)
-    return {k.decode(): state.hlen(k) for k in state.keys(p.held_key("*"))}
+    return {k.decode(): state.hlen(k) for k in state.keys(keys.held_key("*"))}
 
 
 def replica_for(kb: Deployment, pid: int) -> str:
     """The registered name of the replica process `pid`."""
     state = redis.Redis.from_url(kb.system.redis_url)
-    for name in state.smembers(p.REPLICAS_KEY):
-        if state.hget(p.replica_key(name.decode()), "pid") == str(pid).encode():
+    for name in state.smembers(keys.REPLICAS_KEY):
+        if state.hget(keys.replica_key(name.decode()), "pid") == str(pid).encode():
             return name.decode()
     raise AssertionError(f"no replica with pid {pid}")

@@ -37,8 +37,8 @@ import redis
 import uvloop
 
 from control.bench.report import figure_table, print_table
+from control.broker import keys
 from control.chaos.idle import IdleSpec, print_idle, run_idle
-from control.core import protocol as p
 from control.core.memory import collector_paused
 from control.core.procs import free_port
 from control.core.settings import Settings
@@ -481,7 +481,7 @@ async def _replica_hang_timed(run: Run) -> Injection:
 def _wait_swept(run: Run, name: str, timeout_s: float = 3.0) -> float | None:
     """Milliseconds from now until the replica's held requests were re-queued (its held
     hash is gone), or None if that did not happen within `timeout_s`."""
-    return _poll_broker(run, lambda client: not client.exists(p.held_key(name)), timeout_s, 0.002)
+    return _poll_broker(run, lambda client: not client.exists(keys.held_key(name)), timeout_s, 0.002)
 
 
 def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
@@ -491,7 +491,7 @@ def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
     def started_lately(client: redis.Redis) -> bool:
         # Replicas stamp launches with the broker's clock: compare with it.
         pipe = client.pipeline()
-        pipe.zscore(p.launch_key(MODEL), name)
+        pipe.zscore(keys.launch_key(MODEL), name)
         pipe.time()
         started_ms, (seconds, micros) = pipe.execute()
         return started_ms is not None and 0 <= seconds * 1000 + micros / 1000 - started_ms < run.batch_ms / 2

@@ -325,7 +325,7 @@ class System:
     def _replica_died(self, name: str) -> None:
         """Release the dead replica's lease, so what it held is served by the others."""
         # Whatever this raises is logged: the supervisor keeps supervising.
-        from control.broker.failover import release_replica
+        from control.broker.leases import release_replica
         from control.core import connect
 
         assert self.redis_url is not None

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
@@ -26,7 +27,7 @@ def state() -> Iterator[redis.Redis]:
 
 def _admit(state: redis.Redis, i: int, now_ms: float, prompt: str = "x", budget_ms: float = 10_000) -> p.Job:
     """A request as a gateway admitted it: an owner pointing at gateway "gw"."""
-    state.set(p.owner_key(f"t:r{i}"), f"gw|{p.waiting_key(MODEL, 'free')}|t|a{i}", px=20_000)
+    state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=20_000)
     return p.Job(
         id=f"a{i}",
         key=f"t:r{i}",
@@ -48,10 +49,10 @@ def _replica(state: redis.Redis, max_batch: int, batch_ms: float) -> tuple[Repli
 
 
 def _collect(state: redis.Redis, items: dict[str, dict]) -> int:
-    for raw in state.lrange(p.reply_key("gw"), 0, -1):
+    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
         for item in p.Reply.model_validate_json(raw).model_dump()["items"]:
             items[item["id"]] = item
-    state.delete(p.reply_key("gw"))
+    state.delete(keys.reply_key("gw"))
     time.sleep(0.01)
     return len(items)
 
@@ -82,7 +83,7 @@ def test_a_cancelled_running_request_frees_its_slot_within_a_step(state: redis.R
         assert until(lambda: replica.engine.has_unfinished(), 5)
         replica.submit(_admit(state, 1, clock.now_ms()))
         cancelled_at = clock.now_ms()
-        state.set(p.cancel_key("a0"), "cancelled", px=10_000)
+        state.set(keys.cancel_key("a0"), "cancelled", px=10_000)
         assert until(lambda: _collect(state, items) >= 2, 5)
     finally:
         replica.stop()
