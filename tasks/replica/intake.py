@@ -18,7 +18,7 @@ from tasks.policy.collector import Pending
 from tasks.replica.broker import BrokerError
 
 if TYPE_CHECKING:
-    from tasks.replica.replica import Replica
+    from tasks.replica.core import ReplicaCore
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def held(pending: Pending) -> Held:
 
 
 class Intake:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: ReplicaCore) -> None:
         self.replica = replica
         self._arrivals = threading.Condition()
         self._unrecorded: list[p.Job] = []  # taken from the queue, not yet in the held hash

@@ -21,24 +21,26 @@ from typing import TYPE_CHECKING
 from control.core import protocol as p
 from tasks.engine.contract import StepOutput
 from tasks.policy.collector import Pending
-from tasks.replica.intake import held
+from tasks.replica.intake import Intake, held
 from tasks.replica.lease import monotonic_ms
-from tasks.replica.policies import ContinuousPolicy, Policy, StaticPolicy
+from tasks.replica.operations import Operations
+from tasks.replica.policies import ContinuousPolicy, Finished, Policy, StaticPolicy
 
 if TYPE_CHECKING:
-    from tasks.replica.replica import Replica
+    from tasks.replica.core import ReplicaCore
 
 log = logging.getLogger(__name__)
 
-Finished = tuple[Pending, StepOutput, float]  # a request, its final output, when its batch (or it) started
-
 
 class Loop:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: ReplicaCore, intake: Intake, ops: Operations) -> None:
         self.replica = replica
-        self.policy: Policy = (ContinuousPolicy if replica.engine.continuous else StaticPolicy)(replica, self)
+        self.intake = intake
+        self.ops = ops
+        self.policy: Policy = (
+            ContinuousPolicy(replica, self) if replica.engine.continuous else StaticPolicy(replica, self, intake.hold)
+        )
         self.in_hand: list[Pending] = []  # taken from the buffer, not yet answered nor in the engine
-        self.batch_started = 0.0  # monotonic ms of the running batch's (or step's) start
 
     def run(self) -> None:
         r = self.replica
@@ -47,7 +49,7 @@ class Loop:
             started = monotonic_ms()
             try:
                 r.renew_lease_if_due()
-                r.ops.check_drained()
+                self.ops.check_drained()
                 r.collector.config.batch_ms = r.engine.expected_batch_ms()  # measured, where the engine can
                 if due:
                     self.in_hand, dropped = self.take()
@@ -87,7 +89,7 @@ class Loop:
         collector = self.replica.collector
         dropped: dict[str, list[Pending]] = defaultdict(list)
         for job, raw in late_paid:
-            collector.add(self.replica.intake.pending(job, raw))
+            collector.add(self.intake.pending(job, raw))
         for pending in collector.remove(set(reasons)):
             dropped[reasons[pending.id]].append(pending)
         dropped["expired"].extend(collector.pop_expired(now_ms))

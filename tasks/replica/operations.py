@@ -12,7 +12,7 @@ from tasks.replica.broker import BrokerError
 from tasks.replica.lease import monotonic_ms
 
 if TYPE_CHECKING:
-    from tasks.replica.replica import Replica
+    from tasks.replica.core import ReplicaCore
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +20,8 @@ QUIET_MS = 20.0  # a draining replica is drained once it held nothing twice this
 
 
 class Operations:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: ReplicaCore) -> None:
         self.replica = replica
-        self.moving_to = ""  # the model a move loads once the replica is drained
 
     def drain(self) -> ReplicaState:
         """Take no new work; finish what is held; then report drained. Idempotent."""
@@ -42,7 +41,7 @@ class Operations:
         if r.state == ReplicaState.MOVING:
             raise ValueError("a moving replica serves again once its new model is loaded")
         if r.state != ReplicaState.SERVING:
-            self.moving_to = ""
+            r.moving_to = ""
             r.set_state(ReplicaState.SERVING)
             r.rejoin_idle()
             r.wake()  # the consumer asks the gate again
@@ -59,7 +58,7 @@ class Operations:
             r.state == ReplicaState.DRAINED or can_transition(r.state, ReplicaState.DRAINING)
         ):
             raise IllegalTransition(r.state, ReplicaState.MOVING)
-        self.moving_to = model
+        r.moving_to = model
         state = self.drain()
         self.check_drained()
         return state
@@ -70,7 +69,7 @@ class Operations:
         gate shut may start a moment later), is drained; a drained one with a move to make
         makes it."""
         r = self.replica
-        if r.state == ReplicaState.DRAINED and self.moving_to:
+        if r.state == ReplicaState.DRAINED and r.moving_to:
             self._start_move()
             return
         if r.state != ReplicaState.DRAINING:
@@ -88,12 +87,12 @@ class Operations:
                 return
         if r.set_state(ReplicaState.DRAINED, only_from=ReplicaState.DRAINING):
             log.info("replica %s drained", r.name)
-            if self.moving_to:
+            if r.moving_to:
                 self._start_move()
 
     def _start_move(self) -> None:
         r = self.replica
-        if not self.moving_to or not r.set_state(ReplicaState.MOVING, only_from=ReplicaState.DRAINED):
+        if not r.moving_to or not r.set_state(ReplicaState.MOVING, only_from=ReplicaState.DRAINED):
             return
         threading.Thread(target=self._move, name=f"move-{r.name}", daemon=True).start()
 
@@ -101,7 +100,7 @@ class Operations:
         """Load the other model (seconds for a real one: off the batching loop), switch
         the consumer to its queue, and serve it."""
         r = self.replica
-        old, new = r.model, self.moving_to
+        old, new = r.model, r.moving_to
         try:
             assert r.load_engine is not None
             engine = r.load_engine(new) if new != old else r.engine
@@ -109,14 +108,14 @@ class Operations:
             r.switch_queue(p.queue_name(old), p.queue_name(new))
         except Exception:
             log.exception("could not move %s to %s; it stays drained on %s", r.name, new, old)
-            self.moving_to = ""
+            r.moving_to = ""
             r.set_state(ReplicaState.DRAINED, only_from=ReplicaState.MOVING)
             return
         with r.cond:
             r.engine, r.model = engine, new
             r.collector.config.batch_ms = engine.expected_batch_ms()
             r.gate.peers(idle=True, launches=[])
-        self.moving_to = ""
+        r.moving_to = ""
         try:
             r.broker.record_move(old, new)
         except BrokerError:

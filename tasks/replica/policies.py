@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from control.core import protocol as p
@@ -18,10 +19,21 @@ from tasks.replica.intake import held
 from tasks.replica.lease import monotonic_ms
 
 if TYPE_CHECKING:
-    from tasks.replica.loop import Finished, Loop
-    from tasks.replica.replica import Replica
+    from tasks.replica.core import ReplicaCore
 
 log = logging.getLogger(__name__)
+
+Finished = tuple[Pending, StepOutput, float]  # a request, its final output, when its batch (or it) started
+
+
+class Phases(Protocol):
+    """The loop's shared phases a policy calls (loop.py)."""
+
+    in_hand: list[Pending]
+
+    def deliver(self, finished: list[Finished], batch_size: int, end: float, ends_batch: bool) -> None: ...
+
+    def result(self, job: p.Job, out: StepOutput, batch_size: int, start: float, end: float) -> p.Result | p.Failed: ...
 
 
 class Policy(Protocol):
@@ -46,9 +58,10 @@ class Policy(Protocol):
 
 
 class StaticPolicy:
-    def __init__(self, replica: Replica, loop: Loop) -> None:
+    def __init__(self, replica: ReplicaCore, loop: Phases, hold: Callable[[list[p.Job]], None]) -> None:
         self.replica = replica
         self.loop = loop
+        self.hold = hold  # the intake's recorder thread
 
     def wait(self) -> bool | None:
         r = self.replica
@@ -73,11 +86,11 @@ class StaticPolicy:
         batch = r.collector.pop_batch() if due else []
         if batch:
             r.gate.start(now_ms, r.engine.expected_batch_ms())
-            self.loop.batch_started = monotonic_ms()
+            r.batch_started = monotonic_ms()
         return batch
 
     def record(self, jobs: list[p.Job]) -> None:
-        self.replica.intake.hold(jobs)
+        self.hold(jobs)
 
     def run(self, batch: list[Pending], turn_started_ms: float) -> None:
         if not batch:
@@ -90,7 +103,7 @@ class StaticPolicy:
         with r.watchdog.engine_running():
             outputs = self._run_isolating(jobs, BatchRun(r, batch))
         end = r.clock.now_ms()
-        r.perf.add(self.loop.batch_started, monotonic_ms())
+        r.perf.add(r.batch_started, monotonic_ms())
         finished = [(pending, out, start) for pending, out in zip(batch, outputs, strict=True)]
         self.loop.deliver(finished, len(batch), end, ends_batch=True)
         r.busy = False
@@ -115,7 +128,7 @@ class StaticPolicy:
 class BatchRun:
     """The `BatchControl` of one running static batch."""
 
-    def __init__(self, replica: Replica, batch: list[Pending]) -> None:
+    def __init__(self, replica: ReplicaCore, batch: list[Pending]) -> None:
         self.replica = replica
         self.jobs = {pending.id: held(pending).job for pending in batch}
 
@@ -132,7 +145,7 @@ class BatchRun:
 
 
 class ContinuousPolicy:
-    def __init__(self, replica: Replica, loop: Loop) -> None:
+    def __init__(self, replica: ReplicaCore, loop: Phases) -> None:
         self.replica = replica
         self.loop = loop
 
@@ -195,11 +208,11 @@ class ContinuousPolicy:
 
     def _step(self) -> None:
         r = self.replica
-        self.loop.batch_started = monotonic_ms()
+        r.batch_started = monotonic_ms()
         num_running = len(r.joined)
         with r.watchdog.engine_running():
             outputs = r.engine.step()
-        r.perf.add(self.loop.batch_started, monotonic_ms())
+        r.perf.add(r.batch_started, monotonic_ms())
         finished: list[Finished] = []
         for out in outputs:
             entry = r.joined.get(out.id)
