@@ -23,6 +23,8 @@ from control.core import protocol as p
 log = logging.getLogger(__name__)
 
 BrokerError = redis.RedisError  # what a call raises when the broker is away
+Client = redis.Redis
+Fields = dict[str, EncodableT]  # a registry entry
 
 Reply = p.Result | p.Failed | p.Dropped
 
@@ -258,7 +260,7 @@ class ReplicaBroker:
 
     # -- registry, moves ---------------------------------------------------------------
 
-    def publish(self, fields: dict[str, EncodableT], ttl_s: float, idle: tuple[str, float, bool] | None = None) -> None:
+    def publish(self, fields: Fields, ttl_s: float, idle: tuple[str, float, bool] | None = None) -> None:
         """The registry entry (with `idle`, (model, until ms, refresh only): the idle list)."""
         key = p.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)

@@ -13,9 +13,6 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-import redis
-from redis.typing import EncodableT
-
 from control.broker.registry import ENGINE_PREFIX
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
@@ -23,7 +20,7 @@ from control.core.lifecycle import ReplicaState, transition
 from tasks.engine.contract import Engine
 from tasks.policy.collector import Collector, Pending
 from tasks.policy.pullgate import PullGate
-from tasks.replica.broker import BrokerError, ReplicaBroker
+from tasks.replica.broker import BrokerError, Client, Fields, ReplicaBroker
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.events import EventSink, NoEvents
 from tasks.replica.lease import LeaseClock, monotonic_ms
@@ -40,7 +37,7 @@ class ReplicaCore:
         self,
         config: ReplicaConfig,
         engine: Engine,
-        client: redis.Redis,
+        client: Client,
         clock: Clock,
         events: EventSink | None = None,
         wake: Callable[[], object] | None = None,
@@ -178,7 +175,7 @@ class ReplicaCore:
             log.warning("could not publish the state %s", wanted.label)
         return True
 
-    def report(self) -> dict[str, EncodableT]:
+    def report(self) -> Fields:
         """What the replica publishes in the registry (and answers over remote control)."""
         with self.cond:
             buffered = len(self.collector)

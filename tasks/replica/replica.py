@@ -13,14 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 
-import redis
-
 from control.core import protocol as p
 from control.core.clock import Clock
 from control.core.lifecycle import ReplicaState, can_transition, transition
 from tasks.engine.contract import Engine
 from tasks.replica import heartbeat
-from tasks.replica.broker import BrokerError
+from tasks.replica.broker import BrokerError, Client
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.core import ReplicaCore
 from tasks.replica.events import EventSink
@@ -36,7 +34,7 @@ class Replica(ReplicaCore):
         self,
         config: ReplicaConfig,
         engine: Engine,
-        client: redis.Redis,
+        client: Client,
         clock: Clock,
         events: EventSink | None = None,
         wake: Callable[[], object] | None = None,
