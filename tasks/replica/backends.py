@@ -5,7 +5,8 @@ other."""
 from __future__ import annotations
 
 from control.core.settings import Policy, Settings
-from tasks.engine.contract import Engine, FixedLatencyEngine
+from tasks.engine.contract import Engine
+from tasks.engine.fixed import FixedLatencyEngine
 
 
 def make_engine(settings: Settings, model: str, backend: str, policy: Policy) -> Engine:
