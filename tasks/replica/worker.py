@@ -281,6 +281,7 @@ def run_worker(
     app.keybatch_spec = ReplicaSpec(model, settings, engine, load_engine)
     app.steps["consumer"].add(ReplicaStep)
     argv = [
+        "--quiet",  # no banner: `keybatch up` prints each replica's own line when it serves
         "worker",
         "--pool",
         "solo",
