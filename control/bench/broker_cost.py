@@ -36,8 +36,8 @@ from typing import Any
 import redis
 
 from api.gateway import ADMIT_LUA, CANCEL_LUA
+from control.bench.harness import FREE_KEY, MODEL, PAID_KEY, Deployment, child_env
 from control.broker import failover
-from control.chaos.run import FREE_KEY, MODEL, PAID_KEY, Deployment, _child_env
 from control.core import protocol as p
 from control.fleet.valkey import EmbeddedBroker
 from control.load.loadgen import LoadSpec, generate
@@ -312,7 +312,7 @@ def _answered(records: list) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    deployment = Deployment("broker", args.workers, _child_env())
+    deployment = Deployment("broker", args.workers, child_env())
     deployment.start()
     try:
         generate(_spec(deployment.url, args, WARMUP_S, 7), show_progress=False)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from control.core.vocab import ArrivalProfile
 from control.sim.simulate import (
     CONTEXT_TOKENS,
     MEAN_OUTPUT_TOKENS,
@@ -49,7 +50,7 @@ class Inputs:
     models: dict[str, float] | None = None
     sim_seconds: float = 60.0
     search_seconds: float = 20.0
-    profile: str = "poisson"
+    profile: ArrivalProfile = "poisson"
     seed: int = 1
     max_queue_paid: int = 10**9
     max_queue_free: int = 10**9
