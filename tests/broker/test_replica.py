@@ -15,7 +15,8 @@ from control.fleet.valkey import EmbeddedBroker
 from tasks.engine.contract import FixedLatencyEngine, StepOutput
 from tasks.policy.collector import CollectorConfig
 from tasks.replica.replica import Replica
-from tests.conftest import MODEL, until
+from tests.support.deploy import MODEL
+from tests.support.waiting import until
 
 
 class RaisingEngine(FixedLatencyEngine):

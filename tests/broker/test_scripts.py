@@ -12,7 +12,7 @@ from api.gateway import ADMIT_LUA, CANCEL_LUA
 from control.broker import failover
 from control.core import protocol as p
 from control.fleet.valkey import EmbeddedBroker
-from tests.conftest import MODEL
+from tests.support.deploy import MODEL
 
 WAITING = p.waiting_key(MODEL, "free")
 

@@ -13,7 +13,7 @@ import pytest
 
 from control.bench.peer import PeerServer, Probe, first_answer, peer_process, recovery_index, stop_group, wait_ready
 from control.core.procs import free_port
-from tests.conftest import alive, until
+from tests.support.waiting import alive, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_stop_group_kills_what_the_peer_started() -> None:
 @pytest.mark.slow
 def test_the_peer_serves_a_model_folder_offline_and_dies_with_the_bench(tmp_path: Path) -> None:
     pytest.importorskip("fastapi", reason="the peer needs `pip install -e .[peer]`")
-    from tests.tiny_lm import build_tiny_llama
+    from tests.support.tiny_lm import build_tiny_llama
 
     folder = str(build_tiny_llama(tmp_path / "tiny"))
     small_cache = ["--cb-num-blocks", "8", "--cb-max-batch-tokens", "256"]  # else it reserves GBs of this machine
