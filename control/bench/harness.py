@@ -32,7 +32,7 @@ import psutil
 
 from control.core.procs import free_port
 from control.core.settings import Settings
-from control.core.vocab import Policy, Tier
+from control.core.vocab import FREE, PAID, Policy, Tier
 from control.fleet.credentials import credentials_path, read_operator_url
 from control.fleet.up import Plan, System
 
@@ -51,7 +51,7 @@ class DeploymentError(Exception):
 
 def api_keys(paid_key: str, free_key: str) -> str:
     """KEYBATCH_API_KEYS for one paid and one free client."""
-    keys: dict[str, Tier] = {paid_key: "paid", free_key: "free"}
+    keys: dict[str, Tier] = {paid_key: PAID, free_key: FREE}
     return json.dumps(keys)
 
 
@@ -307,7 +307,7 @@ def fixed_fleet(
     model = next(iter(Settings().models))
     settings = {"max_batch": str(max_batch)} if max_batch is not None else {}
     plan = Plan(workers=workers, models=[model], port=free_port(), quiet=True)
-    with in_process(plan, {paid_key: "paid", free_key: "free"}, settings) as system:
+    with in_process(plan, {paid_key: PAID, free_key: FREE}, settings) as system:
         generate(LoadSpec(system.url, 50, 2.0, model, free_key=free_key), show_progress=False)
         yield system.url, model, system.settings.model_copy(update={"redis_url": system.redis_url})
 
@@ -319,7 +319,7 @@ def hf_fleet(workers: int, policy: Policy, model: str, paid_key: str, free_key: 
     from control.load.loadgen import LoadSpec, generate
 
     plan = Plan(workers=workers, backend="hf", policy=policy, models=[model], port=free_port(), quiet=True)
-    with in_process(plan, {paid_key: "paid", free_key: "free"}, settings) as system:
+    with in_process(plan, {paid_key: PAID, free_key: FREE}, settings) as system:
         spec = LoadSpec(system.url, 2.0, 3.0, model, free_key=free_key, deadline_ms=10_000)
         generate(spec, show_progress=False)  # first steps run slow (allocation, first kernels)
         if system.redis_url:

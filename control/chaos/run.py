@@ -36,6 +36,7 @@ from control.chaos.idle import IdleSpec, print_idle, run_idle
 from control.core import protocol as p
 from control.core.memory import collector_paused
 from control.core.settings import Settings
+from control.core.vocab import PAID
 from control.load.loadgen import LoadSpec, Record, percentile, run_spec
 
 log = logging.getLogger(__name__)
@@ -658,13 +659,13 @@ def _drive(
 
 def _group(records: list[Record]) -> dict[str, object]:
     ok = [r.latency_ms for r in records if r.status == 200]
-    paid = [r.latency_ms for r in records if r.status == 200 and r.tier == "paid"]
+    paid = [r.latency_ms for r in records if r.status == 200 and r.tier == PAID]
     return {
         "sent": len(records),
         "statuses": dict(sorted(Counter(outcome(r) for r in records).items())),
         "p99_ms": percentile(ok, 99) if ok else None,
         "paid_p99_ms": percentile(paid, 99) if paid else None,
-        "paid_statuses": dict(sorted(Counter(outcome(r) for r in records if r.tier == "paid").items())),
+        "paid_statuses": dict(sorted(Counter(outcome(r) for r in records if r.tier == PAID).items())),
     }
 
 

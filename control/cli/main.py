@@ -9,6 +9,7 @@ import socket
 import sys
 
 from control.core.settings import Settings
+from control.core.vocab import BACKENDS, POLICIES
 
 
 def _settings_help() -> str:
@@ -35,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--workers", type=int, default=None, help="model replicas (default 2 per model served)")
-    up.add_argument("--backend", choices=["fixed", "hf"], default="hf", help="hf: the local models; fixed: simulated")
-    up.add_argument("--policy", choices=["static", "continuous"], default="continuous")
+    up.add_argument("--backend", choices=BACKENDS, default="hf", help="hf: the local models; fixed: simulated")
+    up.add_argument("--policy", choices=POLICIES, default="continuous")
     up.add_argument("--models", default="", help="comma-separated model names (default: all configured)")
     up.add_argument("--port", type=int, default=None)
 
@@ -44,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one model replica")
     worker.add_argument("--model", required=True)
-    worker.add_argument("--backend", choices=["fixed", "hf"], default="hf")
-    worker.add_argument("--policy", choices=["static", "continuous"], default="continuous")
+    worker.add_argument("--backend", choices=BACKENDS, default="hf")
+    worker.add_argument("--policy", choices=POLICIES, default="continuous")
     worker.add_argument("--name", default=None, help="replica name (default MODEL-PID@HOST)")
     worker.add_argument("--loglevel", default="INFO")
 
@@ -203,12 +204,11 @@ def _assigned_model(settings: Settings, name: str) -> str | None:
     a replica restarted by its supervisor keeps serving what the operator moved it to."""
     import redis
 
-    from control.core import connect
-    from control.core import protocol as p
+    from control.core import connect, protocol
 
     try:
         client = connect.client(settings.state_url, socket_timeout=2, socket_connect_timeout=2)
-        raw = client.get(p.assignment_key(name))
+        raw = client.get(protocol.assignment_key(name))
     except (redis.RedisError, RuntimeError):
         return None
     model = raw.decode() if isinstance(raw, bytes) else None

@@ -39,7 +39,7 @@ import uvloop
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from control.core.memory import collector_paused
-from control.core.vocab import ARRIVALS, ArrivalProfile
+from control.core.vocab import ARRIVALS, FREE, PAID, ArrivalProfile
 from control.load.arrivals import rate_profile, typing_sessions
 from control.load.httpclient import Answer, Client
 
@@ -227,7 +227,7 @@ def schedule(spec: LoadSpec) -> list[Arrival]:
     def tier() -> str:
         if spec.api_key:
             return "key"
-        return "paid" if tiers.random() < spec.paid_share else "free"
+        return PAID if tiers.random() < spec.paid_share else FREE
 
     if spec.arrivals == "typing":
         sessions = typing_sessions(
@@ -277,7 +277,7 @@ class _Run:
 async def _one(run: _Run, arrival: Arrival, i: int, hangup: bool) -> Record:
     client, spec, t0, sent_s, tier = run.client, run.spec, run.t0, arrival.at_s, arrival.tier
     headers = {"Content-Type": "application/json"}
-    key = spec.api_key or (spec.paid_key if tier == "paid" else spec.free_key)
+    key = spec.api_key or (spec.paid_key if tier == PAID else spec.free_key)
     if key:
         headers["Authorization"] = f"Bearer {key}"
     if spec.deadline_ms:
@@ -557,7 +557,7 @@ def summarize(records: list[Record], duration_s: float | None = None) -> dict[st
     is the share of the others answered 200. Rates are over `duration_s` (default: until the
     last answer)."""
     out: dict[str, dict[str, Any]] = {}
-    tiers = sorted({r.tier for r in records}, key=lambda t: (t != "paid", t != "free", t))
+    tiers = sorted({r.tier for r in records}, key=lambda t: (t != PAID, t != FREE, t))
     for tier in ("all", *tiers):
         rs = [r for r in records if tier == "all" or r.tier == tier]
         if not rs:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from control.core.vocab import ArrivalProfile
+from control.core.vocab import POLICIES, ArrivalProfile
 from control.sim.simulate import (
     CONTEXT_TOKENS,
     MEAN_OUTPUT_TOKENS,
@@ -413,9 +413,7 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", type=int, default=3, help="survive losing one of them")
     parser.add_argument("--paid-fraction", type=float, default=0.2)
     parser.add_argument("--models", default="kb-small=0.8,kb-large=0.2")
-    parser.add_argument(
-        "--policy", choices=["static", "continuous"], default="static", help="continuous: needs --cost-model"
-    )
+    parser.add_argument("--policy", choices=POLICIES, default="static", help="continuous: needs --cost-model")
     parser.add_argument(
         "--scope",
         choices=["region", "fleet"],

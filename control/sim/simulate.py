@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from control.core.vocab import ARRIVALS, MAX_TOKENS, MIN_TOKENS, ArrivalProfile, Tier
+from control.core.vocab import ARRIVALS, FREE, MAX_TOKENS, MIN_TOKENS, PAID, ArrivalProfile, Tier
 from control.load.arrivals import FlatRate, rate_profile, typing_sessions
 from control.policy import admission
 from control.policy.admission import Capacity, Limits, RateMeter, Verdict
@@ -46,7 +46,7 @@ NEW, WAITING, RUNNING, OK, REFUSED, EXPIRED, CANCELLED, LATE, LOST = range(9)
 STATE_NAMES = ("new", "waiting", "running", "ok", "refused_429", "expired_504", "cancelled_409", "late_504", "lost")
 PROFILES = ARRIVALS  # the arrival shapes a workload can have
 
-_TIERS: tuple[Tier, Tier] = ("free", "paid")
+_TIERS: tuple[Tier, Tier] = (FREE, PAID)  # indexed by a request's paid flag
 
 BRPOP_TIMEOUT_MS = 1000.0  # kombu's Redis transport: a BRPOP returns empty after this long
 _ADMIT = Verdict.ADMIT  # looked up once: an enum member's lookup is on the hot path
@@ -440,8 +440,8 @@ class Group:
         self.verdict = admission.check(budget_ms, capacity, self.limits)
         self.deepest = (
             (
-                admission.max_position("free", budget_ms, capacity, self.limits, rate),
-                admission.max_position("paid", budget_ms, capacity, self.limits, rate),
+                admission.max_position(FREE, budget_ms, capacity, self.limits, rate),
+                admission.max_position(PAID, budget_ms, capacity, self.limits, rate),
             )
             if self.verdict == Verdict.ADMIT
             else (0, 0)
@@ -779,7 +779,7 @@ class Simulation:
         room = collector.num_free()
         while room and group.paid_queue:
             j = group.paid_queue.popleft()
-            collector.add(Pending(str(j), "paid", self.t[j], self.deadline[j], j, now))
+            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
             room -= 1
         for pending in collector.pop_expired(now):
             j = pending.payload
@@ -832,7 +832,7 @@ class Simulation:
         room = min(collector.num_free(), engine.free_slots())
         while room and group.paid_queue:
             j = group.paid_queue.popleft()
-            collector.add(Pending(str(j), "paid", self.t[j], self.deadline[j], j, now))
+            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
             room -= 1
         for pending in collector.pop_expired(now):
             j = pending.payload
@@ -1049,7 +1049,7 @@ class SimResult:
 
     def by_tier(self, network_ms: float = 0.0) -> dict[str, dict[str, Any]]:
         paid = self.workload.paid
-        return {"paid": self.summary(network_ms, paid), "free": self.summary(network_ms, ~paid)}
+        return {PAID: self.summary(network_ms, paid), FREE: self.summary(network_ms, ~paid)}
 
     def by_region(self, network_ms: float = 0.0) -> dict[str, dict[str, Any]]:
         num_models = len(self.config.models)
