@@ -1,14 +1,15 @@
-"""One deployment for the tests' neighbours, the benchmarks and the fault runs: a
-`keybatch up` child process (private Valkey, replicas, gateway) started and waited on
-until ready, its processes found by role, stopped with whatever outlived it killed, its
-log kept in a file the caller keeps or drops.
+"""The deployment harness the tests, the benchmarks and the fault runs share: a private
+Valkey, replicas and the gateway, started, waited on until ready, warmed, stopped, with
+the child environment they run in and their logs kept or dropped.
 
-It runs `python -m control up`, not `System` in this process, because every caller needs
-what only the real command gives: the fault runs test the supervisor itself (its restarts,
-its stop, what a kill of it leaves), the gateway-CPU benchmark runs another checkout's
-`control` (`cwd`), and the benchmarks measure the deployment an operator would run.
-`in_process` is the same deployment with `System` in this process, for callers that
-reach into the children (the tests kill, stop and inspect them one by one).
+`Deployment` runs `python -m control up` as a child process and finds its processes by
+role; `in_process` (and `fixed_fleet`, `hf_fleet` over it) runs the same `System` in this
+process. The child is what the fault runs and the benchmarks need: the fault runs test
+the supervisor itself (its restarts, its stop, what a kill of it leaves), the
+gateway-CPU benchmark runs another checkout's `control` (`cwd`), and the benchmarks
+measure the deployment an operator runs. The tests and the serving benchmarks reach
+into the children one by one (a replica's process, the broker's, the gateway's), which
+`System` holds as its own.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Backend = Literal["fixed", "hf"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 # Why a request left the queue unanswered by a model; the replica tells the gateway.
+# expired: past its deadline; gone: the client hung up; retried: a retry on another
+# gateway took the request over; unavailable: the broker stopped answering; no_replica:
+# the model lost its last replica while the request waited.
 DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica"]
 DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 # Why a completion ended: a stop sequence, or its max_tokens.
