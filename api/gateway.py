@@ -19,17 +19,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import redis
 from celery import Celery
-from redis.typing import EncodableT
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control.broker import failover, traffic
+from control.broker import keys, records, traffic
 from control.broker.envelope import TaskMessages
 from control.broker.registry import FleetView
+from control.broker.scripts import OWNER_SLACK_MS, Admission, Admit, Cancel, Rescue, RescueOffer, SweepDead, TenantTerms
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.connect import client_like
@@ -42,194 +42,6 @@ log = logging.getLogger(__name__)
 
 FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
 EARLY_KEEP_S = 2.0  # an answer kept for joins of its request that have not registered yet
-
-OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this much
-
-# KEYS: the owner (read through ARGV; named so a cluster client routes the call to its slot).
-CANCEL_LUA = failover.LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
-
-# The admission proper, after the joins (control/policy/admission.py's `decide`, and the token
-# bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
-# position counts.
-ADMIT_TENANT_PART = """
-local now = tonumber(ARGV[7])
-local tenanted = ARGV[13] ~= nil
-local lists = {KEYS[2], KEYS[3]}
-if tenanted then lists = {KEYS[2], ARGV[13], KEYS[3], ARGV[14]} end
-local d = {}
-for i, key in ipairs(lists) do
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  d[i] = redis.call('ZCARD', key)
-end
-local paid, paid_behind, free, free_behind = d[1], 0, d[2], 0
-if tenanted then paid, paid_behind, free, free_behind = d[1], d[2], d[3], d[4] end
-local own, own_behind = KEYS[2], ARGV[13]
-if ARGV[5] == 'free' then own, own_behind = KEYS[3], ARGV[14] end
-local behind, queued, tokens, rate = false, 0, 0, 0
-if tenanted then
-  rate = tonumber(ARGV[22])
-  if rate > 0 then
-    tokens = tonumber(ARGV[23])
-    local bucket = redis.call('HMGET', ARGV[17], 't', 'at')
-    if bucket[1] then
-      tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
-    end
-    if tokens < 1 then
-      return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
-    end
-  end
-  local mine, fair = ARGV[16], tonumber(ARGV[20])
-  redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
-  queued = redis.call('ZCARD', mine)
-  if queued >= fair then
-    -- Entries of requests that left without being removed here (a path that missed
-    -- it) must not hold the share: the oldest are checked against the waiting sets.
-    for _, id in ipairs(redis.call('ZRANGE', mine, 0, tonumber(ARGV[24]) - 1)) do
-      if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
-        redis.call('ZREM', mine, id)
-        queued = queued - 1
-      end
-    end
-  end
-  behind = queued >= fair
-end
-local position = paid + 1
-if ARGV[5] == 'free' then position = position + paid_behind + free end
-if behind then position = position + (ARGV[5] == 'free' and free_behind or paid_behind) end
-if behind and position > tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
-if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
-if tenanted and queued >= tonumber(ARGV[21]) then return {-3, paid, free, paid_behind, free_behind, ''} end
-if behind then
-  -- Its message says so (its priority, which the envelope has before any of the text).
-  local step = ARGV[5] == 'free' and FREE_PRIORITY or PAID_PRIORITY
-  local from, message = '"priority":' .. step, ARGV[8]
-  local at = string.find(message, from, 1, true)
-  if at then message = message:sub(1, at - 1) .. '"priority":' .. (step + BEHIND_STEP) .. message:sub(at + #from) end
-  redis.call('SET', KEYS[1], ARGV[18], 'PX', ARGV[2])
-  redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
-  redis.call('LPUSH', ARGV[15], message)
-else
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  redis.call('ZADD', own, ARGV[3], ARGV[4])
-  redis.call('LPUSH', KEYS[4], ARGV[8])
-end
-if tenanted then
-  redis.call('ZADD', ARGV[16], ARGV[3], ARGV[4])
-  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'GT')
-  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'NX')
-  if rate > 0 then
-    redis.call('HSET', ARGV[17], 't', tokens - 1, 'at', now)
-    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[23]) * 1000 / rate) + 1000)
-  end
-end
-if KEYS[5] then
-  local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
-  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
-end
-ARRIVAL_LUA
-return {1, paid, free, paid_behind, free_behind, behind and '1' or ''}
-"""
-
-# KEYS: owner, waiting paid, waiting free, queue list, [session];
-# ARGV: owner value, ttl ms, deadline, attempt, tier, max position, now, task message,
-#       done key ('' when the answer is not kept), this gateway, request key, the traffic
-#       field this arrival counts in (control/broker/traffic.py); then, for a request counted
-#       against its tenant (control/policy/admission.py): waiting paid behind, waiting free behind,
-#       the queue list behind, the tenant's waiting set, its bucket, the owner value behind,
-#       the deepest position behind, fair depth, most queued, rate per s, bucket size, how
-#       many of the tenant's oldest entries to check are still waiting.
-# Returns {status, paid waiting, free waiting, [paid behind, free behind,] extra}: 1 admitted
-# (extra: '1' behind other tenants' requests, else ''); 2 answered before (extra: the
-# stored answer); 3 in flight, joined (extra: its attempt); 4 the id is in flight or
-# answered with another body (the owner value's fingerprint); -1 too deep; -2 the
-# tenant's rate (extra: ms until a token); -3 the tenant holds its share of the queue.
-ADMIT_LUA = (
-    # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
-    # script (OOM, answered 503). Unflagged, only its first write is checked, and that
-    # one (ZREMRANGEBYSCORE) is allowed at the limit, so the rest would write past it.
-    "#!lua\n"
-    + failover.LUA_LIB
-    + """
-local _, _, _, _, fingerprint = owner_parts(ARGV[1])
-if ARGV[9] ~= '' then
-  local done = redis.call('GET', ARGV[9])
-  if done then
-    local stored, answer = done_parts(done)
-    if stored ~= fingerprint then return {4, 0, 0, ''} end
-    return {2, 0, 0, answer}
-  end
-end
-local current = redis.call('GET', KEYS[1])
-if current and redis.call('PTTL', KEYS[1]) <= OWNER_SLACK_MS then
-  -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
-  -- that attempt any more; drop it and admit the retry as a new one.
-  local _, waiting, _, attempt = owner_parts(current)
-  redis.call('SET', P .. 'cancel:' .. attempt, 'expired', 'PX', CANCEL_TTL_MS)
-  redis.call('ZREM', waiting, attempt)
-  current = nil
-end
-if current then
-  -- A retry joins the attempt in flight; its answer comes here too.
-  local gateways, waiting, tenant, attempt, held = owner_parts(current)
-  if held ~= fingerprint then return {4, 0, 0, ''} end
-  if not has_gateway(gateways, ARGV[10]) then
-    local joined = gateways .. ',' .. ARGV[10] .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt .. '|' .. held
-    redis.call('SET', KEYS[1], joined, 'KEEPTTL')
-  end
-  return {3, 0, 0, attempt}
-end
-ADMIT_TENANT_PART
-""".replace("OWNER_SLACK_MS", str(OWNER_SLACK_MS))
-    .replace("ADMIT_TENANT_PART", ADMIT_TENANT_PART)
-    .replace("FREE_PRIORITY", str(p.FREE_PRIORITY))
-    .replace("PAID_PRIORITY", str(p.PAID_PRIORITY))
-    .replace("BEHIND_STEP", str(p.BEHIND_STEP))
-    .replace("ARRIVAL_LUA", traffic.ARRIVAL_LUA)
-    .replace("CANCEL_TTL_MS", str(p.CANCEL_TTL_MS))
-)
-
-
-class DirectScript:
-    """A Lua script called straight on a pooled connection.
-
-    redis-py's command layer (argument filtering, retry wrapper, response
-    callbacks, redis-py 8's operation timing) costs ~70 us per call here, a
-    tenth of the gateway's CPU per request at the admission call alone; this
-    packs, sends and reads on a connection from the same pool. The pool checks a
-    connection before lending it (a server that closed it is noticed there); one
-    that still fails at the send is dropped and the call sent once more on a
-    fresh one. A failure after the send is not retried
-    (the script may have run: admitting twice would refuse the request as a
-    duplicate). A script the server forgot is loaded again.
-    """
-
-    def __init__(self, client: redis.Redis, source: str) -> None:
-        self.script = client.register_script(source)
-        self.pool = client.connection_pool
-
-    def __call__(self, keys: list[str], args: list[object]) -> Any:
-        try:
-            return self._call(keys, args)
-        except redis.exceptions.NoScriptError:
-            self.script.sha = self.script.registered_client.script_load(self.script.script)
-            return self._call(keys, args)
-
-    def _call(self, keys: list[str], args: list[object]) -> Any:
-        command = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
-        conn = self.pool.get_connection()
-        try:
-            try:
-                conn.send_packed_command(conn.pack_command(*command))
-            except (redis.ConnectionError, redis.TimeoutError):
-                conn.disconnect()  # not sent: once more, on a new connection
-                conn.send_packed_command(conn.pack_command(*command))
-            return conn.read_response()
-        except (redis.ConnectionError, redis.TimeoutError):
-            conn.disconnect()
-            raise
-        finally:
-            self.pool.release(conn)
-
 
 Item = p.Result | p.Dropped | p.Cancelled | p.Failed
 
@@ -336,16 +148,16 @@ class Gateway:
         self.is_serving: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         self._started = False
-        self._admit = DirectScript(client, ADMIT_LUA)
+        self._admit = Admit(client)
         self._task_message = TaskMessages(celery)
-        self._cancel = client.register_script(CANCEL_LUA)
+        self._cancel = Cancel(client)
         # Blocking reads and background probes get their own connections and bounds.
         bound_s = settings.broker_timeout_ms / 1000.0
         self._listener = client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)
         self._prober = client_like(client, socket_timeout=bound_s, socket_connect_timeout=bound_s)
-        self._sweep = self._prober.register_script(failover.SWEEP_DEAD_LUA)
+        self._sweep = SweepDead(self._prober)
         self._rescuer = client_like(client, socket_timeout=2.0, socket_connect_timeout=0.5)
-        self._rescue = self._rescuer.register_script(failover.RESCUE_LUA)
+        self._rescue = Rescue(self._rescuer)
         self._deaths: int | None = None  # replicas swept so far, deployment-wide
 
     def start(self) -> None:
@@ -445,30 +257,37 @@ class Gateway:
         joins the attempt in flight under the same key, or finds its stored answer.
         (verdict, queue position, ms until the tenant's rate admits one more)."""
         job = waiter.job
-        keys = [
-            p.owner_key(job.key),
-            p.waiting_key(job.model, "paid"),
-            p.waiting_key(job.model, "free"),
-            p.queue_key(job.model, job.tier),
-        ]
-        if session_key:
-            keys.append(p.session_key(session_key))
         ttl = int(job.deadline_ms - job.received_ms) + OWNER_SLACK_MS
         message = self._task_message(job)
         _check_size(message, self._max_message_bytes(job.tier))
         tenant = p.tenant_of(job.key)
         fingerprint = body_fingerprint(job) if job.keep_ms else ""  # only a client's own id is joined
-        owner = f"{self.id}|{p.waiting_key(job.model, job.tier)}|{tenant}|{job.id}|{fingerprint}"
-        done = p.done_key(job.key) if job.keep_ms else ""
         now = self.clock.now_ms()
-        arrival = traffic.arrival_field(job.model, job.tier)
-        args = [owner, ttl, job.deadline_ms, job.id, job.tier, deepest, now, message, done, self.id, job.key, arrival]
-        args += self._tenant_args(job, tenant, deepest, capacity, fingerprint)
+        owner = records.pack_owner(self.id, keys.waiting_key(job.model, job.tier), tenant, job.id, fingerprint)
         if fingerprint:
             self._joins(job.key, +1)
         try:
             try:
-                status, paid, free, *behind, extra = self._admit(keys, args)
+                status, paid, free, paid_behind, free_behind, extra = self._admit(
+                    owner_key=keys.owner_key(job.key),
+                    waiting_paid=keys.waiting_key(job.model, "paid"),
+                    waiting_free=keys.waiting_key(job.model, "free"),
+                    queue=keys.queue_key(job.model, job.tier),
+                    session=keys.session_key(session_key) if session_key else None,
+                    owner=owner,
+                    ttl_ms=ttl,
+                    deadline_ms=job.deadline_ms,
+                    attempt=job.id,
+                    tier=job.tier,
+                    deepest=deepest,
+                    now_ms=now,
+                    message=message,
+                    done_key=keys.done_key(job.key) if job.keep_ms else "",
+                    gateway=self.id,
+                    request_key=job.key,
+                    arrival_field=traffic.arrival_field(job.model, job.tier),
+                    tenant=self._tenant_terms(job, tenant, deepest, capacity, fingerprint),
+                )
             except redis.exceptions.OutOfMemoryError as exc:
                 self.health.ok()  # it answered: full (its memory limit), not down
                 raise ApiError(503, "the broker is full; retry shortly", "broker_unavailable", retry_after_s=1) from exc
@@ -476,10 +295,10 @@ class Gateway:
                 self.health.failed(exc)
                 raise _broker_down(exc) from exc
             self.health.ok()
-            if status == 2:  # answered within the idempotency window: the same answer again
+            if status == Admission.ANSWERED:  # answered within the idempotency window: the same answer again
                 waiter.resolve(p.Result.model_validate_json(extra))
                 return Verdict.ADMIT, 0, 0.0
-            if status == 3:  # joined the attempt in flight
+            if status == Admission.JOINED:  # joined the attempt in flight
                 self._forget(waiter)
                 waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
                 waiter.attempt = extra.decode()
@@ -488,9 +307,9 @@ class Gateway:
         finally:
             if fingerprint:
                 self._joins(job.key, -1)
-        if status == 4:
+        if status == Admission.BODY_MISMATCH:
             raise _reused(waiter.request_id)
-        depths = admission.Depths(paid, behind[0], free, behind[1])
+        depths = admission.Depths(paid, paid_behind, free, free_behind)
         self._depth[job.model] = (depths, now)
         verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
@@ -503,28 +322,26 @@ class Gateway:
         kb = self.settings.max_message_kb_paid if tier == "paid" else self.settings.max_message_kb_free
         return kb * 1024
 
-    def _tenant_args(
-        self, job: p.Job, tenant: str, deepest: int, capacity: Capacity, fingerprint: str
-    ) -> list[EncodableT]:
-        """The admission script's arguments for the request's tenant (see ADMIT_LUA)."""
+    def _tenant_terms(self, job: p.Job, tenant: str, deepest: int, capacity: Capacity, fingerprint: str) -> TenantTerms:
+        """What the admission script counts the request against its tenant by."""
         policy = self._tenants[job.tier]
         limits = admission.tenant_limits(deepest, capacity, policy)
-        behind = p.tenant_waiting_key(job.model, job.tier, tenant)
-        owner = f"{self.id}|{p.waiting_key(job.model, job.tier, behind=True)}|{tenant}|{job.id}|{fingerprint}"
-        return [
-            p.waiting_key(job.model, "paid", behind=True),
-            p.waiting_key(job.model, "free", behind=True),
-            p.queue_key(job.model, job.tier, behind=True),
-            behind,
-            p.bucket_key(job.tier, tenant),
-            owner,
-            limits.deepest_behind,
-            limits.fair_depth,
-            limits.max_queued,
-            policy.rate_per_s,
-            policy.bucket,
-            STALE_CHECKS,
-        ]
+        return TenantTerms(
+            waiting_paid_behind=keys.waiting_key(job.model, "paid", behind=True),
+            waiting_free_behind=keys.waiting_key(job.model, "free", behind=True),
+            queue_behind=keys.queue_key(job.model, job.tier, behind=True),
+            tenant_waiting=keys.tenant_waiting_key(job.model, job.tier, tenant),
+            bucket=keys.bucket_key(job.tier, tenant),
+            owner_behind=records.pack_owner(
+                self.id, keys.waiting_key(job.model, job.tier, behind=True), tenant, job.id, fingerprint
+            ),
+            deepest_behind=limits.deepest_behind,
+            fair_depth=limits.fair_depth,
+            max_queued=limits.max_queued,
+            rate_per_s=policy.rate_per_s,
+            bucket_size=policy.bucket,
+            stale_checks=STALE_CHECKS,
+        )
 
     # -- waiting, cancel, give up ----------------------------------------------------
 
@@ -602,7 +419,7 @@ class Gateway:
         if joined:
             return
         try:
-            self._cancel(keys=[p.owner_key(waiter.job.key)], args=[waiter.job.key, reason, "", waiter.attempt, self.id])
+            self._cancel(waiter.job.key, reason, attempt=waiter.attempt, holder=self.id)
         except redis.RedisError as exc:
             self.health.failed(exc)  # the broker is away; the answer stands all the same
 
@@ -611,7 +428,7 @@ class Gateway:
         if self.health.is_down:
             raise _broker_down(None)
         try:
-            return bool(self._cancel(keys=[p.owner_key(key)], args=[key, reason, tenant, "", ""]))
+            return self._cancel(key, reason, tenant=tenant)
         except redis.RedisError as exc:
             self.health.failed(exc)
             raise _broker_down(exc) from exc
@@ -626,7 +443,7 @@ class Gateway:
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired, deaths = self._sweep(keys=[p.HOLDERS_KEY], args=[min_ms])
+                swept, requeued, expired, deaths = self._sweep(min_ms)
                 if swept:
                     log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
                 if self._deaths is not None and deaths != self._deaths:
@@ -650,7 +467,7 @@ class Gateway:
             threading.Event().wait(0.05 if self.health.is_down else 0.1)
 
     def _rescue_waiting(self, min_ms: float) -> None:
-        """Offer this process's waiting requests to RESCUE (control/broker/failover.py): those a
+        """Offer this process's waiting requests to RESCUE (control/broker/scripts.py): those a
         dead replica had taken from the queue and not yet recorded go back to the queue."""
         with self._lock:
             group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.message}
@@ -658,13 +475,8 @@ class Gateway:
         waiting = list(group.values())
         try:
             for start in range(0, len(waiting), RESCUE_CHUNK):
-                args: list[EncodableT] = [min_ms]
-                for w in waiting[start : start + RESCUE_CHUNK]:
-                    job = w.job
-                    queue = p.queue_key(job.model, job.tier, w.behind)
-                    args += [w.attempt, job.key, queue, p.waiting_key(job.model, job.tier, w.behind)]
-                    args += [job.deadline_ms, job.received_ms, w.message]
-                rescued += int(self._rescue(keys=[p.HOLDERS_KEY], args=args))
+                offers = [_rescue_offer(w) for w in waiting[start : start + RESCUE_CHUNK]]
+                rescued += self._rescue(min_ms, offers)
         except redis.RedisError as exc:
             log.warning("could not offer waiting requests for rescue: %s", exc)
         if rescued:
@@ -694,7 +506,7 @@ class Gateway:
     # -- replies ---------------------------------------------------------------------
 
     def _listen(self) -> None:
-        key = p.reply_key(self.id)
+        key = keys.reply_key(self.id)
         client = self._listener
         backlog: list[bytes | str] = []
         while True:
@@ -794,11 +606,24 @@ def _broker_down(exc: BaseException | None) -> ApiError:
 
 
 _ADMIT_STATUS = {
-    1: Verdict.ADMIT,
-    -1: Verdict.OVERLOADED,
-    -2: Verdict.TENANT_RATE_LIMITED,
-    -3: Verdict.TENANT_QUEUE_FULL,
+    Admission.ADMITTED: Verdict.ADMIT,
+    Admission.TOO_DEEP: Verdict.OVERLOADED,
+    Admission.TENANT_RATE_LIMITED: Verdict.TENANT_RATE_LIMITED,
+    Admission.TENANT_QUEUE_FULL: Verdict.TENANT_QUEUE_FULL,
 }
+
+
+def _rescue_offer(waiter: Waiter) -> RescueOffer:
+    job = waiter.job
+    return RescueOffer(
+        attempt=waiter.attempt,
+        key=job.key,
+        queue=keys.queue_key(job.model, job.tier, waiter.behind),
+        waiting=keys.waiting_key(job.model, job.tier, waiter.behind),
+        deadline_ms=job.deadline_ms,
+        received_ms=job.received_ms,
+        message=waiter.message,
+    )
 
 
 def _tenant_policy(settings: Settings, tier: Tier) -> admission.TenantPolicy:

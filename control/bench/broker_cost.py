@@ -35,24 +35,13 @@ from typing import Any
 
 import redis
 
-from api.gateway import ADMIT_LUA, CANCEL_LUA
 from control.bench.harness import FREE_KEY, MODEL, PAID_KEY, Deployment, child_env
-from control.broker import failover
-from control.core import protocol as p
+from control.broker import keys, scripts
 from control.fleet.valkey import EmbeddedBroker
 from control.load.loadgen import LoadSpec, generate
 
 WARMUP_S = 3.0
-SCRIPTS = {
-    "ADMIT": ADMIT_LUA,
-    "CANCEL": CANCEL_LUA,
-    "RECORD": failover.RECORD_LUA,
-    "CLAIM": failover.CLAIM_LUA,
-    "DELIVER": failover.DELIVER_LUA,
-    "STREAM": failover.STREAM_LUA,
-    "SWEEP_ONE": failover.SWEEP_ONE_LUA,
-    "SWEEP_DEAD": failover.SWEEP_DEAD_LUA,
-}
+SCRIPTS = {name: source for name, source in scripts.SOURCES.items() if name != "RESCUE"}
 SCRIPT_BY_SHA = {hashlib.sha1(source.encode()).hexdigest(): name for name, source in SCRIPTS.items()}
 # Commands a replay leaves out: connection set-up, subscriptions (their messages are
 # PUBLISH's cost), and what only an operator or this bench sends.
@@ -177,9 +166,9 @@ BACKGROUND = {
 def key_kind(key: bytes) -> str:
     """'{kb}:lease:r1' -> 'lease'; '{kb}.kb-small:9' -> 'queue'; anything else: its first part."""
     text = key.decode(errors="replace")
-    if text.startswith(f"{p.PREFIX}."):
+    if text.startswith(f"{keys.PREFIX}."):
         return "queue"
-    return text.removeprefix(f"{p.PREFIX}:").split(":", 1)[0]
+    return text.removeprefix(f"{keys.PREFIX}:").split(":", 1)[0]
 
 
 def is_background(name: str, kind: str) -> bool:

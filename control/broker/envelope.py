@@ -1,6 +1,11 @@
 """The Celery task message of a job, as kombu's Redis transport stores it: the one
 place that knows kombu's envelope (the gateway pushes it itself; replicas read it
-back). tests/broker/test_messages.py checks it against what `send_task` pushes."""
+back). tests/broker/test_messages.py checks it against what `send_task` pushes.
+
+The scripts that look into a message inside the broker (admission marks one behind,
+RESCUE finds which attempts are queued and since when) use `ENVELOPE_LUA`, kept here
+next to the Python that writes and reads the envelope: reading it in Python instead
+would cost RESCUE a round trip and a copy of whole queues, and admission its one call."""
 
 from __future__ import annotations
 
@@ -65,3 +70,33 @@ def job_from_message(raw: bytes | str) -> p.Job:
     job = p.Job.model_validate(args[0])
     job.behind = p.is_behind(envelope["properties"].get("priority"))
     return job
+
+
+# The Lua side of the envelope, for the scripts of control/broker/scripts.py.
+ENVELOPE_LUA = """
+-- The message of a request queued behind other tenants' ones: its priority moved by
+-- `behind_step` (the properties come first, so the first "priority" is theirs).
+local function envelope_behind(message, step, behind_step)
+  local from = '"priority":' .. step
+  local at = string.find(message, from, 1, true)
+  if not at then return message end
+  return message:sub(1, at - 1) .. '"priority":' .. (step + behind_step) .. message:sub(at + #from)
+end
+
+-- The attempt a message carries (its correlation id), or nil.
+local function envelope_attempt(raw)
+  return string.match(raw, '"correlation_id":"([^"]+)"')
+end
+
+-- When the job in a message was received (ms), or -1 when it cannot be read.
+local function envelope_received_ms(raw)
+  local ok, env = pcall(cjson.decode, raw)
+  if ok and type(env) == 'table' and type(env.body) == 'string' then
+    local ok2, body = pcall(cjson.decode, env.body)
+    if ok2 and type(body) == 'table' and type(body[1]) == 'table' and type(body[1][1]) == 'table' then
+      return tonumber(body[1][1].received_ms) or -1
+    end
+  end
+  return -1
+end
+"""

@@ -2,7 +2,7 @@
 model and tier, in one small hash per second that expires after `KEEP_S`.
 
 Gateways count an admitted request inside the admission script (no extra round trip:
-`ARRIVAL_LUA`); replicas count what they answer in the pipeline that delivers a batch
+`ARRIVAL_LUA` of control/broker/scripts.py); replicas count what they answer in the pipeline that delivers a batch
 (`record_done`). Any process reads the last seconds with `read_traffic`: one round trip
 for the buckets, queue depths and the oldest queued message of every model and tier.
 Latency is kept as a histogram (`LATENCY_BOUNDS_MS`), so a percentile is the upper bound
@@ -19,29 +19,16 @@ from typing import get_args
 
 import redis
 
-from control.core import protocol as p
+from control.broker import keys
 from control.core.vocab import Tier
 
 KEEP_S = 120
 LATENCY_BOUNDS_MS = (25, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000, 3000, 5000, 10000, 60000)
 TIERS: tuple[Tier, ...] = get_args(Tier)
 
-# For the admission script, after the request is admitted: ARGV[7] is the broker's now in
-# ms, ARGV[12] the field `arrival_field(model, tier)` (a caller without it counts nothing).
-ARRIVAL_LUA = f"""
-if ARGV[12] then
-  local traffic = '{p.PREFIX}:traffic:' .. math.floor(tonumber(ARGV[7]) / 1000)
-  redis.call('HINCRBY', traffic, ARGV[12], 1)
-  redis.call('EXPIRE', traffic, {KEEP_S})
-end
-"""
-
-
-def traffic_key(second: int) -> str:
-    return f"{p.PREFIX}:traffic:{second}"
-
 
 def arrival_field(model: str, tier: str) -> str:
+    """The field of a second's hash that counts the admissions of a model's tier."""
     return f"{model}|{tier}|in"
 
 
@@ -57,7 +44,7 @@ def record_done(pipe: redis.client.Pipeline, model: str, done: Iterable[tuple[st
         fields[f"{model}|{tier}|lat{_bucket(e2e_ms)}"] += 1
     if not fields:
         return
-    key = traffic_key(int(now_ms // 1000))
+    key = keys.traffic_key(int(now_ms // 1000))
     for field, n in fields.items():
         pipe.hincrby(key, field, n)
     pipe.expire(key, KEEP_S)
@@ -94,12 +81,12 @@ def read_traffic(client: redis.Redis, models: list[str], window_s: int = 10) -> 
     now_ms = int(seconds) * 1000 + _micro / 1000
     pipe = client.pipeline(transaction=False)
     for s in range(last - window_s + 1, last + 1):
-        pipe.hgetall(traffic_key(s))
+        pipe.hgetall(keys.traffic_key(s))
     pairs = [(m, t) for m in models for t in TIERS]
     for model, tier in pairs:
         for behind in (False, True):  # in line, and behind other tenants' requests
-            pipe.zcount(p.waiting_key(model, tier, behind), now_ms, "+inf")
-            pipe.lindex(p.queue_key(model, tier, behind), -1)  # kombu pops from the right: the oldest
+            pipe.zcount(keys.waiting_key(model, tier, behind), now_ms, "+inf")
+            pipe.lindex(keys.queue_key(model, tier, behind), -1)  # kombu pops from the right: the oldest
     replies = pipe.execute()
     buckets, rest = replies[:window_s], replies[window_s:]
     totals: Counter[str] = Counter()

@@ -32,8 +32,8 @@ import uvloop
 
 from control.bench.harness import MODEL, Deployment, DeploymentError, child_env, describe, send_signal, warm
 from control.bench.report import counts, figure_table, ms, outcome, print_table, settle_logs, timeline, without_logs
+from control.broker import keys
 from control.chaos.idle import IdleSpec, print_idle, run_idle
-from control.core import protocol as p
 from control.core.memory import collector_paused
 from control.core.settings import Settings
 from control.core.vocab import PAID
@@ -247,7 +247,7 @@ async def _replica_hang_timed(run: Run) -> Injection:
 def _wait_swept(run: Run, name: str, timeout_s: float = 3.0) -> float | None:
     """Milliseconds from now until the replica's held requests were re-queued (its held
     hash is gone), or None if that did not happen within `timeout_s`."""
-    return _poll_broker(run, lambda client: not client.exists(p.held_key(name)), timeout_s, 0.002)
+    return _poll_broker(run, lambda client: not client.exists(keys.held_key(name)), timeout_s, 0.002)
 
 
 def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
@@ -257,7 +257,7 @@ def _wait_mid_batch(run: Run, name: str, timeout_s: float = 1.5) -> bool:
     def started_lately(client: redis.Redis) -> bool:
         # Replicas stamp launches with the broker's clock: compare with it.
         pipe = client.pipeline()
-        pipe.zscore(p.launch_key(MODEL), name)
+        pipe.zscore(keys.launch_key(MODEL), name)
         pipe.time()
         started_ms, (seconds, micros) = pipe.execute()
         return started_ms is not None and 0 <= seconds * 1000 + micros / 1000 - started_ms < run.batch_ms / 2

@@ -204,11 +204,12 @@ def _assigned_model(settings: Settings, name: str) -> str | None:
     a replica restarted by its supervisor keeps serving what the operator moved it to."""
     import redis
 
-    from control.core import connect, protocol
+    from control.broker import keys
+    from control.core import connect
 
     try:
         client = connect.client(settings.state_url, socket_timeout=2, socket_connect_timeout=2)
-        raw = client.get(protocol.assignment_key(name))
+        raw = client.get(keys.assignment_key(name))
     except (redis.RedisError, RuntimeError):
         return None
     model = raw.decode() if isinstance(raw, bytes) else None

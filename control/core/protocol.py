@@ -1,4 +1,5 @@
-"""What crosses processes: Redis key names, the job payload and the reply messages.
+"""What crosses processes: the job payload and the reply messages (the Redis key names
+are made in control/broker/keys.py, the broker's records in control/broker/records.py).
 
 The gateway writes a job into a Celery message; a replica answers the gateway
 process that holds the connection by pushing one reply message per batch onto
@@ -20,7 +21,6 @@ from control.core.vocab import DropReason, Tier
 HASH_TAG = "{kb}"
 PREFIX = HASH_TAG
 TASK_NAME = "keybatch.complete"
-REPLICAS_KEY = f"{PREFIX}:replicas"
 PAID_PRIORITY = 0  # kombu's Redis transport serves lower numbers first
 FREE_PRIORITY = 6
 # A tier's requests beyond their key's fair depth wait in a list of their own, served
@@ -28,8 +28,6 @@ FREE_PRIORITY = 6
 BEHIND_STEP = 3
 PRIORITY_STEPS = [PAID_PRIORITY, PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY, FREE_PRIORITY + BEHIND_STEP]
 PRIORITY_SEP = ":"  # kombu's `sep` transport option: "<queue><sep><priority>"
-HOLDERS_KEY = f"{PREFIX}:holders"  # replicas that may hold requests (see control/broker/failover.py)
-WASTED_KEY = f"{PREFIX}:stats:wasted"  # results that found their request answered or gone
 REPLY_TTL_S = 60
 CANCEL_TTL_MS = 120_000
 
@@ -48,25 +46,22 @@ def is_behind(priority: object) -> bool:
     return priority in (PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY + BEHIND_STEP)
 
 
+def tenant_of(key: str) -> str:
+    """The tenant a request's key is scoped to ("<tenant>:<id>")."""
+    return key.partition(":")[0]
+
+
+# -- transitional ------------------------------------------------------------------------
+# Key names are made in control/broker/keys.py. These copies serve the callers below the
+# broker's layer that are not yet moved there (tasks/replica); tests/broker/test_keys.py
+# checks they name the same keys. Delete once nothing imports them from here.
+REPLICAS_KEY = f"{PREFIX}:replicas"
+HOLDERS_KEY = f"{PREFIX}:holders"
+
+
 def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
-    """The Redis list kombu's Redis transport keeps a queue's messages of one priority in
-    (`behind`: the tier's requests queued behind other keys' ones)."""
     priority = priority_of(tier) + (BEHIND_STEP if behind else 0)
     return queue_name(model) if priority == 0 else f"{queue_name(model)}{PRIORITY_SEP}{priority}"
-
-
-def reply_key(gateway_id: str) -> str:
-    return f"{PREFIX}:reply:{gateway_id}"
-
-
-def owner_key(key: str) -> str:
-    """Which gateway holds the connection of a request in flight, by its tenant-scoped key."""
-    return f"{PREFIX}:req:{key}"
-
-
-def done_key(key: str) -> str:
-    """The stored answer of a finished request, for retries with the same id."""
-    return f"{PREFIX}:done:{key}"
 
 
 def cancel_key(attempt: str) -> str:
@@ -74,57 +69,26 @@ def cancel_key(attempt: str) -> str:
 
 
 def lease_key(replica: str) -> str:
-    """Exists while the replica's batching loop is alive (renewed every few 100 ms)."""
     return f"{PREFIX}:lease:{replica}"
 
 
 def held_key(replica: str) -> str:
-    """Hash of the requests a replica took from the queue and has not answered."""
     return f"{PREFIX}:held:{replica}"
 
 
-def claim_key(attempt: str) -> str:
-    """Which replica runs an attempt (set before its batch starts)."""
-    return f"{PREFIX}:claim:{attempt}"
-
-
-def session_key(session_id: str) -> str:
-    return f"{PREFIX}:session:{session_id}"
-
-
 def waiting_key(model: str, tier: Tier, behind: bool = False) -> str:
-    """Sorted set of requests admitted but not yet in a batch, scored by deadline (`behind`:
-    those in the tier's list behind other keys' requests)."""
-    return f"{PREFIX}:waiting:{model}:{tier}{BEHIND_SUFFIX if behind else ''}"
-
-
-BEHIND_SUFFIX = ":behind"
-
-
-def tenant_of(key: str) -> str:
-    """The tenant a request's key is scoped to ("<tenant>:<id>")."""
-    return key.partition(":")[0]
+    return f"{PREFIX}:waiting:{model}:{tier}{':behind' if behind else ''}"
 
 
 def tenant_waiting_key(model: str, tier: Tier, tenant: str) -> str:
-    """Sorted set of one tenant's requests waiting in a model's tier (either list), scored
-    by deadline: the tenant's share of the queue. Named after the tier's waiting set, so the
-    scripts that hold only a request's waiting set and tenant find it (control/broker/failover.py)."""
     return f"{waiting_key(model, tier)}:t:{tenant}"
 
 
-def bucket_key(tier: Tier, tenant: str) -> str:
-    """Hash of one tenant's admission token bucket (tokens, when counted)."""
-    return f"{PREFIX}:bucket:{tier}:{tenant}"
-
-
 def idle_key(model: str) -> str:
-    """Sorted set of the model's idle replicas, scored by when that news goes stale."""
     return f"{PREFIX}:idle:{model}"
 
 
 def launch_key(model: str) -> str:
-    """Sorted set of the model's replicas, scored by when each last started a batch."""
     return f"{PREFIX}:launch:{model}"
 
 
@@ -133,7 +97,6 @@ def replica_key(name: str) -> str:
 
 
 def assignment_key(name: str) -> str:
-    """The model a replica was moved to: it serves that one again after a restart."""
     return f"{PREFIX}:assign:{name}"
 
 

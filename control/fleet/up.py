@@ -37,6 +37,16 @@ RELEASE_TIMEOUT_S = 0.5
 # priority, so that on a shared host it does not take the CPU the serving processes
 # need while the fleet is short of one; it gets the normal priority once it has booted.
 RESTART_NICE = 10
+# Warnings a child would print that the person running `keybatch up` cannot act on, each
+# matched by the start of its message (PYTHONWARNINGS syntax; the user's own filters,
+# listed after these, take precedence):
+# - Celery's, when a replica runs as root (a container's default user);
+# - gevent's, that ssl was imported before gunicorn's gevent worker patches it: the one
+#   module it names as unpatched, redis.asyncio, is one the gateway never uses.
+CHILD_WARNING_FILTERS = (
+    "ignore:You're running the worker with superuser privileges:UserWarning",
+    "ignore:Monkey-patching ssl after ssl has already been imported:RuntimeWarning",
+)
 RENICE_AFTER_S = 5.0
 REPLICAS_PER_MODEL = 2  # the default: one can die or restart while the other serves
 
@@ -149,6 +159,7 @@ class System:
         served = {m: self.settings.models[m] for m in self.plan.models}
         env["KEYBATCH_MODELS"] = json.dumps(served)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env["PYTHONWARNINGS"] = ",".join(filter(None, [*CHILD_WARNING_FILTERS, os.environ.get("PYTHONWARNINGS")]))
         return env
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -314,7 +325,7 @@ class System:
     def _replica_died(self, name: str) -> None:
         """Release the dead replica's lease, so what it held is served by the others."""
         # Whatever this raises is logged: the supervisor keeps supervising.
-        from control.broker.failover import release_replica
+        from control.broker.leases import release_replica
         from control.core import connect
 
         assert self.redis_url is not None

@@ -13,7 +13,9 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 DEFAULT_MAXMEMORY_MB = 1024
+# Valkey's startup notice about vm.overcommit_memory concerns background saves and
+# replication, neither of which the embedded broker does: it is dropped from its log.
+UNACTIONABLE_NOTICES = ("Memory overcommit must be enabled",)
 
 
 class BrokerStartError(RuntimeError):
@@ -79,17 +84,20 @@ class EmbeddedBroker:
         acl_file = self._dir / "users.acl"
         acl_file.write_text(self.secrets.acl())
         os.chmod(acl_file, 0o600)
+        quiet = self.out == subprocess.DEVNULL
         self.process = subprocess.Popen(
             _command(self.port, acl_file, self.maxmemory_mb),
             cwd=self._dir,
             stdin=subprocess.DEVNULL,
-            stdout=self.out,
-            stderr=self.out,
+            stdout=subprocess.DEVNULL if quiet else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             # Its own session: a Ctrl-C for the supervisor must not stop the broker
             # before the gateway and replicas have drained.
             start_new_session=True,
             preexec_fn=child_of(os.getpid()),
         )
+        if self.process.stdout is not None:
+            _forward_log(self.process.stdout, self.out)
         try:
             self._wait_ready(timeout_s)
         except BrokerStartError:
@@ -139,6 +147,25 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _forward_log(log_pipe: IO[bytes], out: IO[str] | int | None) -> None:
+    """Copy the server's log to `out` line by line, without the notices no one can act on."""
+
+    def copy() -> None:
+        for raw in log_pipe:
+            line = raw.decode(errors="replace")
+            if any(notice in line for notice in UNACTIONABLE_NOTICES):
+                continue
+            if isinstance(out, int):
+                os.write(out, raw)
+            else:
+                stream = out or sys.stderr
+                stream.write(line)
+                stream.flush()
+        log_pipe.close()
+
+    threading.Thread(target=copy, name="valkey-log", daemon=True).start()
 
 
 def valkey_server_binary() -> str:

@@ -21,9 +21,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
 
-from api import gateway
-from api.gateway import ADMIT_LUA, CANCEL_LUA, OWNER_SLACK_MS
-from control.broker import failover
+from control.broker import keys, scripts
+from control.broker.scripts import ADMIT_LUA, CANCEL_LUA, OWNER_SLACK_MS
 from control.core import protocol as p
 from control.core.procs import child_of, free_port
 from control.fleet.valkey import valkey_server_binary
@@ -111,38 +110,38 @@ class Scripts:
 
         self.admit = strict(ADMIT_LUA)
         self.cancel = strict(CANCEL_LUA)
-        self.record = strict(failover.RECORD_LUA)
-        self.claim = strict(failover.CLAIM_LUA)
-        self.deliver = strict(failover.DELIVER_LUA)
-        self.stream = strict(failover.STREAM_LUA)
-        self.sweep_one = strict(failover.SWEEP_ONE_LUA)
-        self.sweep_dead = strict(failover.SWEEP_DEAD_LUA)
-        self.rescue = strict(failover.RESCUE_LUA)
+        self.record = strict(scripts.RECORD_LUA)
+        self.claim = strict(scripts.CLAIM_LUA)
+        self.deliver = strict(scripts.DELIVER_LUA)
+        self.stream = strict(scripts.STREAM_LUA)
+        self.sweep_one = strict(scripts.SWEEP_ONE_LUA)
+        self.sweep_dead = strict(scripts.SWEEP_DEAD_LUA)
+        self.rescue = strict(scripts.RESCUE_LUA)
 
 
 def _admit(
     s: Scripts, key: str, attempt: str, gateway: str, session: str | None = None, keep_ms: int = 0, fair: int = 1000
 ) -> list:
     """As the gateway calls it (api/gateway.py, Gateway._enqueue): keys and arguments."""
-    waiting = p.waiting_key(MODEL, "paid")
-    keys = [p.owner_key(key), waiting, p.waiting_key(MODEL, "free"), p.queue_key(MODEL, "paid")]
+    waiting = keys.waiting_key(MODEL, "paid")
+    names = [keys.owner_key(key), waiting, keys.waiting_key(MODEL, "free"), keys.queue_key(MODEL, "paid")]
     if session:
-        keys.append(p.session_key(session))
+        names.append(keys.session_key(session))
     tenant = p.tenant_of(key)
     owner = f"{gateway}|{waiting}|{tenant}|{attempt}"
-    done = p.done_key(key) if keep_ms else ""
+    done = keys.done_key(key) if keep_ms else ""
     message = f'{{"properties":{{"priority":0}},"body":"MSG-{attempt}"}}'
     args: list = [owner, 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key, "kb-small|paid|in"]
-    behind_owner = f"{gateway}|{p.waiting_key(MODEL, 'paid', behind=True)}|{tenant}|{attempt}"
-    args += [p.waiting_key(MODEL, "paid", behind=True), p.waiting_key(MODEL, "free", behind=True)]
-    args += [p.queue_key(MODEL, "paid", behind=True), p.tenant_waiting_key(MODEL, "paid", tenant)]
-    args += [p.bucket_key("paid", tenant), behind_owner, 100, fair, 100, 100.0, 100.0, 8]
-    return s.admit(keys=keys, args=args)  # type: ignore[no-any-return]
+    behind_owner = f"{gateway}|{keys.waiting_key(MODEL, 'paid', behind=True)}|{tenant}|{attempt}"
+    args += [keys.waiting_key(MODEL, "paid", behind=True), keys.waiting_key(MODEL, "free", behind=True)]
+    args += [keys.queue_key(MODEL, "paid", behind=True), keys.tenant_waiting_key(MODEL, "paid", tenant)]
+    args += [keys.bucket_key("paid", tenant), behind_owner, 100, fair, 100, 100.0, 100.0, 8]
+    return s.admit(keys=names, args=args)  # type: ignore[no-any-return]
 
 
 def _held_record(attempt: str, key: str, deadline_ms: float) -> str:
     """deadline|queue|waiting set|request key|message, as the replica writes it."""
-    return f"{deadline_ms:.0f}|{p.queue_key(MODEL, 'paid')}|{p.waiting_key(MODEL, 'paid')}|{key}|MSG-{attempt}"
+    return f"{deadline_ms:.0f}|{keys.queue_key(MODEL, 'paid')}|{keys.waiting_key(MODEL, 'paid')}|{key}|MSG-{attempt}"
 
 
 def _result(attempt: str) -> str:
@@ -167,10 +166,8 @@ def _now_ms(client: RedisCluster) -> float:
 
 
 def test_the_scripts_here_are_all_the_projects_scripts() -> None:
-    named = {name for module in (gateway, failover) for name in vars(module) if name.endswith("_LUA")}
-    assert named == {
-        "ADMIT_LUA", "CANCEL_LUA", "RECORD_LUA", "CLAIM_LUA", "DELIVER_LUA", "STREAM_LUA", "SWEEP_ONE_LUA",
-        "SWEEP_DEAD_LUA", "RESCUE_LUA",
+    assert set(scripts.SOURCES) == {
+        "ADMIT", "CANCEL", "RECORD", "CLAIM", "DELIVER", "STREAM", "SWEEP_ONE", "SWEEP_DEAD", "RESCUE",
     }  # fmt: skip  # a new script joins Scripts and the test below
 
 
@@ -188,58 +185,66 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     # Admission, supersede in the session, a join from another gateway.
     assert _admit(s, "t:a", "att-a", "gw-1", session="t:s")[0] == 1
     assert _admit(s, "t:b", "att-b", "gw-1", session="t:s", keep_ms=30_000)[0] == 1  # supersedes t:a
-    assert cluster.get(p.cancel_key("att-a")) == b"superseded"
+    assert cluster.get(keys.cancel_key("att-a")) == b"superseded"
     assert _admit(s, "t:b", "att-b2", "gw-2", keep_ms=30_000)[:1] == [3]  # joins att-b: gw-1 and gw-2 wait
-    assert cluster.llen(p.reply_key("gw-1")) == 1  # the supersede
+    assert cluster.llen(keys.reply_key("gw-1")) == 1  # the supersede
     # A stale owner: the retry is admitted as a new attempt and the old one cancelled.
-    cluster.set(p.owner_key("t:stale"), f"gw-1|{p.waiting_key(MODEL, 'paid')}|t|att-old", px=OWNER_SLACK_MS - 1)
+    cluster.set(keys.owner_key("t:stale"), f"gw-1|{keys.waiting_key(MODEL, 'paid')}|t|att-old", px=OWNER_SLACK_MS - 1)
     assert _admit(s, "t:stale", "att-new", "gw-1")[0] == 1
-    assert cluster.get(p.cancel_key("att-old")) == b"expired"
+    assert cluster.get(keys.cancel_key("att-old")) == b"expired"
     # A tenant past its fair depth: behind the tier's others, its message saying so.
     assert _admit(s, "u:x", "att-x", "gw-1", fair=0)[-1] == b"1"
-    assert b'"priority":3' in cluster.lindex(p.queue_key(MODEL, "paid", behind=True), 0)
-    assert cluster.zcard(p.tenant_waiting_key(MODEL, "paid", "u")) == 1
+    assert b'"priority":3' in cluster.lindex(keys.queue_key(MODEL, "paid", behind=True), 0)
+    assert cluster.zcard(keys.tenant_waiting_key(MODEL, "paid", "u")) == 1
 
     # The replica: its lease, held records, claims, streamed text, delivery.
-    cluster.set(p.lease_key("r1"), 1, px=60_000)
-    cluster.sadd(p.HOLDERS_KEY, "r1")
+    cluster.set(keys.lease_key("r1"), 1, px=60_000)
+    cluster.sadd(keys.HOLDERS_KEY, "r1")
     record = ["r1", "att-b", "t:b", _held_record("att-b", "t:b", now + 60_000)]
-    assert s.record(keys=[p.held_key("r1")], args=[*record, "att-gone", "t:gone", "x"]) == 1
-    cluster.set(p.lease_key("r2"), 1, px=60_000)
-    cluster.set(p.claim_key("att-other"), "r2", px=60_000)  # running on r2, whose lease is alive
-    assert s.claim(keys=[p.held_key("r1")], args=["r1", 60_000, "att-b", "att-other"]) == [1, 0]
+    assert s.record(keys=[keys.held_key("r1")], args=[*record, "att-gone", "t:gone", "x"]) == 1
+    cluster.set(keys.lease_key("r2"), 1, px=60_000)
+    cluster.set(keys.claim_key("att-other"), "r2", px=60_000)  # running on r2, whose lease is alive
+    assert s.claim(keys=[keys.held_key("r1")], args=["r1", 60_000, "att-b", "att-other"]) == [1, 0]
     chunk = p.Chunk(id="att-b", offset=0, text="x").model_dump_json()
-    assert s.stream(keys=[p.owner_key("t:b")], args=["t:b", "att-b", chunk]) == 2  # both gateways
+    assert s.stream(keys=[keys.owner_key("t:b")], args=["t:b", "att-b", chunk]) == 2  # both gateways
     items = ["t:b", "att-b", 30_000, "result", _result("att-b"), "gw-1"]
     items += ["t:late", "att-late", 0, "result", _result("att-late"), "gw-1"]  # no owner: wasted
     dropped = p.Dropped(id="att-a", reason="superseded", replica="r1").model_dump_json()
     items += ["t:a", "att-a", 0, "dropped", dropped, "gw-1"]  # its owner went with the supersede: to gw-1
-    assert s.deliver(keys=[p.held_key("r1")], args=["r1", *items]) == [1, 1]
-    assert cluster.get(p.WASTED_KEY) == b"1"
+    assert s.deliver(keys=[keys.held_key("r1")], args=["r1", *items]) == [1, 1]
+    assert cluster.get(keys.WASTED_KEY) == b"1"
     assert _admit(s, "t:b", "att-b3", "gw-1", keep_ms=30_000)[0] == 2  # the stored answer
 
     # A gateway's cancel, then a replica that died holding two requests: one re-queued, one expired.
     assert _admit(s, "t:c", "att-c", "gw-1")[0] == 1
-    assert s.cancel(keys=[p.owner_key("t:c")], args=["t:c", "cancelled", "t", "", "gw-1"]) == 1
+    assert s.cancel(keys=[keys.owner_key("t:c")], args=["t:c", "cancelled", "t", "", "gw-1"]) == 1
     assert _admit(s, "t:d", "att-d", "gw-1")[0] == 1
     assert _admit(s, "t:e", "att-e", "gw-1")[0] == 1
-    cluster.hset(p.replica_key("r3"), "model", MODEL)
-    cluster.zadd(p.idle_key(MODEL), {"r3": now})
-    cluster.zadd(p.launch_key(MODEL), {"r3": now})
+    cluster.hset(keys.replica_key("r3"), "model", MODEL)
+    cluster.zadd(keys.idle_key(MODEL), {"r3": now})
+    cluster.zadd(keys.launch_key(MODEL), {"r3": now})
     late = ["r3", "att-d", "t:d", _held_record("att-d", "t:d", now + 60_000)]
-    assert s.record(keys=[p.held_key("r3")], args=[*late, "att-e", "t:e", _held_record("att-e", "t:e", now)]) == 2
-    cluster.sadd(p.HOLDERS_KEY, "r3")
-    assert s.sweep_dead(keys=[p.HOLDERS_KEY], args=[265]) == [1, 1, 1, 1]  # r3 swept: d re-queued, e expired
-    assert cluster.zscore(p.waiting_key(MODEL, "paid"), "att-d") is not None
-    assert cluster.get(p.cancel_key("att-e")) == b"expired"
-    cluster.delete(p.lease_key("r1"))
-    assert s.sweep_one(keys=[p.held_key("r1")], args=["r1", 265]) == [0, 0]  # delivered all it held
+    assert s.record(keys=[keys.held_key("r3")], args=[*late, "att-e", "t:e", _held_record("att-e", "t:e", now)]) == 2
+    cluster.sadd(keys.HOLDERS_KEY, "r3")
+    assert s.sweep_dead(keys=[keys.HOLDERS_KEY], args=[265]) == [1, 1, 1, 1]  # r3 swept: d re-queued, e expired
+    assert cluster.zscore(keys.waiting_key(MODEL, "paid"), "att-d") is not None
+    assert cluster.get(keys.cancel_key("att-e")) == b"expired"
+    cluster.delete(keys.lease_key("r1"))
+    assert s.sweep_one(keys=[keys.held_key("r1")], args=["r1", 265]) == [0, 0]  # delivered all it held
     # A request a dead replica popped and never recorded: its gateway offers it for rescue.
     assert _admit(s, "t:f", "att-f", "gw-1")[0] == 1
-    cluster.delete(p.queue_key(MODEL, "paid"))  # popped, with everything before it
-    offer = ["att-f", "t:f", p.queue_key(MODEL, "paid"), p.waiting_key(MODEL, "paid"), now + 60_000, now, "MSG-att-f"]
-    assert s.rescue(keys=[p.HOLDERS_KEY], args=[265, *offer]) == 1
-    assert cluster.lrange(p.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-att-f"]
+    cluster.delete(keys.queue_key(MODEL, "paid"))  # popped, with everything before it
+    offer = [
+        "att-f",
+        "t:f",
+        keys.queue_key(MODEL, "paid"),
+        keys.waiting_key(MODEL, "paid"),
+        now + 60_000,
+        now,
+        "MSG-att-f",
+    ]
+    assert s.rescue(keys=[keys.HOLDERS_KEY], args=[265, *offer]) == 1
+    assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-att-f"]
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
@@ -36,10 +37,10 @@ def _replica(state: redis.Redis, max_batch: int, batch_ms: float) -> tuple[Repli
 
 
 def _collect(state: redis.Redis, items: dict[str, dict]) -> int:
-    for raw in state.lrange(p.reply_key("gw"), 0, -1):
+    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
         for item in p.Reply.model_validate_json(raw).model_dump()["items"]:
             items[item["id"]] = item
-    state.delete(p.reply_key("gw"))
+    state.delete(keys.reply_key("gw"))
     time.sleep(0.01)
     return len(items)
 
@@ -70,7 +71,7 @@ def test_a_cancelled_running_request_frees_its_slot_within_a_step(state: redis.R
         assert until(lambda: replica.engine.has_unfinished(), 5)
         replica.submit(admitted_job(state, 1, clock.now_ms()))
         cancelled_at = clock.now_ms()
-        state.set(p.cancel_key("a0"), "cancelled", px=10_000)
+        state.set(keys.cancel_key("a0"), "cancelled", px=10_000)
         assert until(lambda: _collect(state, items) >= 2, 5)
     finally:
         replica.stop()

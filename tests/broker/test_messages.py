@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from control.broker import keys
 from control.broker.envelope import TaskMessages, job_from_message
 from control.core import protocol as p
 from control.core.settings import Settings
@@ -55,7 +56,7 @@ def test_the_gateway_message_matches_what_send_task_pushes() -> None:
         with app.connection_for_write() as conn:
             conn.ensure_connection()
             client = conn.default_channel.client
-            raw = client.rpop(p.queue_key(job.model, job.tier))
+            raw = client.rpop(keys.queue_key(job.model, job.tier))
         app.close()
     assert raw is not None, "send_task pushed nowhere near where the gateway pushes"
     theirs = json.loads(raw)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
@@ -68,7 +69,7 @@ def test_a_batch_the_engine_raises_for_is_halved_until_the_culprit_fails_alone(s
         now = clock.now_ms()
         prompts = [f"ok {i}" for i in range(7)] + ["POISON"]
         for i in range(len(prompts)):  # admitted: each has an owner pointing at "gw"
-            state.set(p.owner_key(f"t:r{i}"), f"gw|{p.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+            state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
         for i, prompt in enumerate(prompts):
             replica.submit(_job(i, prompt, now))
         items: list[dict] = []
@@ -82,9 +83,9 @@ def test_a_batch_the_engine_raises_for_is_halved_until_the_culprit_fails_alone(s
 
 
 def _collect(state: redis.Redis, items: list[dict]) -> int:
-    for raw in state.lrange(p.reply_key("gw"), 0, -1):
+    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
         items.extend(p.Reply.model_validate_json(raw).model_dump()["items"])
-    state.delete(p.reply_key("gw"))
+    state.delete(keys.reply_key("gw"))
     time.sleep(0.01)
     return len(items)
 
@@ -99,7 +100,7 @@ def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_i
     replica.start()
     try:
         now = clock.now_ms()
-        queue = p.queue_key(MODEL, "free")
+        queue = keys.queue_key(MODEL, "free")
         state.lpush(queue, "older")  # waiting in the queue already
         replica.gate.start(now, 10_000.0)  # busy for long, and a peer is idle: the gate is shut
         replica.gate.peers(idle=True)
@@ -129,4 +130,4 @@ def test_a_request_a_stopped_replica_is_brought_goes_back_to_its_queue(state: re
     job = _job(1, "x", clock.now_ms())
     assert not replica.submit(job)  # the consumer's last pull, answered after the stop
     assert len(replica.collector) == 0
-    assert state.lrange(p.queue_key(MODEL, "free"), 0, -1) == [job.model_dump_json().encode()]
+    assert state.lrange(keys.queue_key(MODEL, "free"), 0, -1) == [job.model_dump_json().encode()]

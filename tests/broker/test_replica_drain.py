@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.core.lifecycle import IllegalTransition, ReplicaState
@@ -40,7 +41,7 @@ def replica(state: redis.Redis) -> Iterator[Replica]:
 
 def answered(state: redis.Redis) -> set[str]:
     ids = set()
-    for raw in state.lrange(p.reply_key("gw"), 0, -1):
+    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
         ids |= {item.id for item in p.Reply.model_validate_json(raw).items}
     return ids
 
@@ -55,7 +56,7 @@ def test_a_drain_answers_what_is_held_and_runs_a_message_that_slips_in_after(
     assert not replica.wants_messages()  # the consumer's gate stays shut
     assert until(lambda: replica.state == ReplicaState.DRAINED, 3)
     assert answered(state) == {"a0", "a1", "a2"}
-    assert state.hget(p.replica_key("r-test"), "state") == b"drained"
+    assert state.hget(keys.replica_key("r-test"), "state") == b"drained"
     assert replica.drain() == ReplicaState.DRAINED  # idempotent
     replica.submit(admitted_job(state, 3, replica.clock.now_ms()))  # a pull sent just before the gate shut
     assert replica.state == ReplicaState.DRAINING
@@ -80,8 +81,8 @@ def test_a_move_swaps_the_engine_switches_the_queue_and_is_remembered(state: red
     assert until(lambda: replica.state == ReplicaState.SERVING, 3)
     assert (replica.model, loaded, switched) == (OTHER, [OTHER], [(p.queue_name(MODEL), p.queue_name(OTHER))])
     assert answered(state) == {"a0"}  # answered by the old model before it went
-    assert state.get(p.assignment_key("r-test")) == OTHER.encode()
-    assert state.hget(p.replica_key("r-test"), "model") == OTHER.encode()
+    assert state.get(keys.assignment_key("r-test")) == OTHER.encode()
+    assert state.hget(keys.replica_key("r-test"), "model") == OTHER.encode()
 
 
 def test_a_move_that_cannot_load_the_other_model_leaves_the_replica_drained(

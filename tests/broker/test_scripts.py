@@ -8,13 +8,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from api.gateway import ADMIT_LUA, CANCEL_LUA
-from control.broker import failover
-from control.core import protocol as p
+from control.broker import keys, scripts
+from control.broker.scripts import ADMIT_LUA, CANCEL_LUA
 from control.fleet.valkey import EmbeddedBroker
 from tests.support.deploy import MODEL
 
-WAITING = p.waiting_key(MODEL, "free")
+WAITING = keys.waiting_key(MODEL, "free")
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +23,10 @@ def state() -> Iterator[redis.Redis]:
 
 
 def _admit(state: redis.Redis, key: str, attempt: str, gateway: str) -> list:
-    keys = [p.owner_key(key), p.waiting_key(MODEL, "paid"), WAITING, p.queue_key(MODEL, "free")]
+    names = [keys.owner_key(key), keys.waiting_key(MODEL, "paid"), WAITING, keys.queue_key(MODEL, "free")]
     owner = f"{gateway}|{WAITING}|t|{attempt}"
     args = [owner, 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway, key]
-    return state.register_script(ADMIT_LUA)(keys=keys, args=args)  # type: ignore[no-any-return]
+    return state.register_script(ADMIT_LUA)(keys=names, args=args)  # type: ignore[no-any-return]
 
 
 def test_a_gateway_giving_up_cannot_cancel_what_a_retry_elsewhere_took_over(state: redis.Redis) -> None:
@@ -38,20 +37,20 @@ def test_a_gateway_giving_up_cannot_cancel_what_a_retry_elsewhere_took_over(stat
     # gw-a's client hung up while the retry waits on gw-b: gw-a only stops waiting (the
     # owner keeps gw-b, with the empty fingerprint of a request without a client's id).
     assert cancel(args=["t:give-up", "gone", "", "a1", "gw-a"]) == 0
-    assert state.get(p.owner_key("t:give-up")) == f"gw-b|{WAITING}|t|a1|".encode()
+    assert state.get(keys.owner_key("t:give-up")) == f"gw-b|{WAITING}|t|a1|".encode()
     assert cancel(args=["t:give-up", "gone", "", "a1", "gw-b"]) == 1
 
 
 def test_a_retry_after_the_deadline_does_not_join_the_dead_attempt(state: redis.Redis) -> None:
-    state.set(p.owner_key("t:stale"), f"gw-a|{WAITING}|t|old", px=1_000)  # past its deadline (slack 5 s)
+    state.set(keys.owner_key("t:stale"), f"gw-a|{WAITING}|t|old", px=1_000)  # past its deadline (slack 5 s)
     status, *_rest, extra = _admit(state, "t:stale", "new", "gw-b")
     assert (status, extra) == (1, b"")  # admitted as a new attempt
-    assert state.get(p.cancel_key("old")) == b"expired"  # a replica holding the old one drops it
+    assert state.get(keys.cancel_key("old")) == b"expired"  # a replica holding the old one drops it
 
 
 def test_a_replica_records_only_requests_still_in_flight(state: redis.Redis) -> None:
-    state.set(p.owner_key("t:live"), f"gw|{WAITING}|t|a-live", px=10_000)
-    record = state.register_script(failover.RECORD_LUA)
+    state.set(keys.owner_key("t:live"), f"gw|{WAITING}|t|a-live", px=10_000)
+    record = state.register_script(scripts.RECORD_LUA)
     n = record(args=["rep", "a-live", "t:live", "REC1", "a-done", "t:done", "REC2"])
     assert n == 1
-    assert state.hgetall(p.held_key("rep")) == {b"a-live": b"REC1"}
+    assert state.hgetall(keys.held_key("rep")) == {b"a-live": b"REC1"}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from control.broker import keys
 from control.broker.registry import read_fleet
-from control.core import protocol as p
 from tests.support.deploy import MODEL, Deployment, deployment, held_counts, replica_for
 from tests.support.lm_fixtures import quick_model  # noqa: F401  (a fixture)
 from tests.support.waiting import until
@@ -41,7 +41,7 @@ def _burst(kb: Deployment) -> list:
 
 def _fleet(kb: Deployment) -> list[dict]:
     state = redis.Redis.from_url(kb.system.redis_url)
-    return [state.hgetall(p.replica_key(n.decode())) for n in state.smembers(p.REPLICAS_KEY)]
+    return [state.hgetall(keys.replica_key(n.decode())) for n in state.smembers(keys.REPLICAS_KEY)]
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
@@ -49,7 +49,7 @@ def test_a_replica_killed_or_hung_mid_generation_loses_no_request(hf2: Deploymen
     victim = hf2.system.workers[0]
     name = replica_for(hf2, victim.pid)
     futures = _burst(hf2)
-    assert until(lambda: held_counts(hf2).get(p.held_key(name), 0) > 0, 20)  # it holds some of them
+    assert until(lambda: held_counts(hf2).get(keys.held_key(name), 0) > 0, 20)  # it holds some of them
     victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     try:
         answers = [f.result(60) for f in futures]
@@ -65,4 +65,4 @@ def test_a_replica_killed_or_hung_mid_generation_loses_no_request(hf2: Deploymen
     assert len({a.json()["id"] for a in ok}) == len(ok)
     assert {a.json()["keybatch"]["replica"] for a in ok} != {name}
     if how == "killed":
-        assert until(lambda: p.held_key(name) not in held_counts(hf2), 10)  # swept
+        assert until(lambda: keys.held_key(name) not in held_counts(hf2), 10)  # swept

@@ -39,10 +39,10 @@ def _complete(d: Deployment, **body: object) -> requests.Response:
 def _fleet(d: Deployment) -> list[dict]:
     import redis
 
-    from control.core import protocol as p
+    from control.broker import keys
 
     state = redis.Redis.from_url(d.system.redis_url)
-    return [state.hgetall(p.replica_key(n.decode())) for n in state.smembers(p.REPLICAS_KEY)]
+    return [state.hgetall(keys.replica_key(n.decode())) for n in state.smembers(keys.REPLICAS_KEY)]
 
 
 def test_each_request_gets_one_answer(hf: Deployment) -> None:

@@ -12,7 +12,7 @@ import redis
 import requests
 
 from control.bench.harness import in_process
-from control.core import protocol
+from control.broker import keys
 from control.core.procs import free_port
 from control.core.vocab import Backend, Policy
 from control.fleet.up import Plan, System
@@ -75,13 +75,13 @@ def deployment(
 def held_counts(kb: Deployment) -> dict[str, int]:
     """Requests each replica holds now, by held-hash key."""
     state = redis.Redis.from_url(kb.system.redis_url)
-    return {k.decode(): state.hlen(k) for k in state.keys(protocol.held_key("*"))}
+    return {k.decode(): state.hlen(k) for k in state.keys(keys.held_key("*"))}
 
 
 def replica_for(kb: Deployment, pid: int) -> str:
     """The registered name of the replica process `pid`."""
     state = redis.Redis.from_url(kb.system.redis_url)
-    for name in state.smembers(protocol.REPLICAS_KEY):
-        if state.hget(protocol.replica_key(name.decode()), "pid") == str(pid).encode():
+    for name in state.smembers(keys.REPLICAS_KEY):
+        if state.hget(keys.replica_key(name.decode()), "pid") == str(pid).encode():
             return name.decode()
     raise AssertionError(f"no replica with pid {pid}")

@@ -27,7 +27,7 @@ import pytest
 import redis
 import requests
 
-from control.core import protocol as p
+from control.broker import keys
 from control.core.settings import Settings
 from control.fleet.operator import Operator, OperatorError
 from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
@@ -112,7 +112,7 @@ def test_another_local_user_cannot_read_write_monitor_or_drain(fleet: Deployment
     port, replica = str(port_of(fleet)), replica_name(fleet)
     cli = [valkey_cli(), "-h", "127.0.0.1", "-p", port]
     drain = capture_drain(fleet, replica)
-    reply_list = p.reply_key("gateway-1")  # a forged result pushed there would be answered
+    reply_list = keys.reply_key("gateway-1")  # a forged result pushed there would be answered
     answers = {
         "read": as_other_user(*cli, "KEYS", "*"),
         "get": as_other_user(*cli, "SMEMBERS", "{kb}:replicas"),

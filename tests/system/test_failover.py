@@ -16,7 +16,7 @@ import pytest
 import redis
 import requests
 
-from control.core import protocol as p
+from control.broker import keys
 from tests.support.deploy import MODEL, Deployment, deployment, held_counts, replica_for
 from tests.support.waiting import until
 
@@ -39,13 +39,13 @@ def test_a_replica_killed_mid_batch_loses_no_request() -> None:
         victim = kb.system.workers[0]
         name = replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert until(lambda: held_counts(kb).get(p.held_key(name), 0) > 0, 5)  # it holds some of them
+        assert until(lambda: held_counts(kb).get(keys.held_key(name), 0) > 0, 5)  # it holds some of them
         victim.send_signal(signal.SIGKILL)
         answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * 60, [a.text for a in answers if a.status_code != 200]
         assert all(a.json()["keybatch"]["replica"] != name or a.elapsed.total_seconds() < 2 for a in answers)
         assert len({a.json()["id"] for a in answers}) == 60
-        assert p.held_key(name) not in held_counts(kb)  # swept
+        assert keys.held_key(name) not in held_counts(kb)  # swept
 
 
 def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None:
@@ -53,7 +53,7 @@ def test_a_hung_replica_loses_its_lease_and_its_requests_run_elsewhere() -> None
         victim = kb.system.workers[0]
         name = replica_for(kb, victim.pid)
         futures = _burst(kb, 60, **BUDGET)
-        assert until(lambda: held_counts(kb).get(p.held_key(name), 0) > 0, 5)
+        assert until(lambda: held_counts(kb).get(keys.held_key(name), 0) > 0, 5)
         victim.send_signal(signal.SIGSTOP)
         try:
             answers = [f.result() for f in futures]
@@ -85,12 +85,14 @@ def test_a_replica_whose_clock_is_off_still_meets_deadlines(fleet: Deployment) -
         for worker in fleet.system.workers:  # the skewed replica alone serves
             worker.send_signal(signal.SIGSTOP)
         state = redis.Redis.from_url(fleet.system.redis_url)
-        assert until(lambda: state.exists(p.lease_key("skewed@test")) and len(state.keys(p.lease_key("*"))) == 1, 15)
+        assert until(
+            lambda: state.exists(keys.lease_key("skewed@test")) and len(state.keys(keys.lease_key("*"))) == 1, 15
+        )
         assert until(lambda: fleet.post().status_code == 200, 5)
         answers = [f.result() for f in _burst(fleet, 10)]
         assert [a.status_code for a in answers] == [200] * 10
         assert {a.json()["keybatch"]["replica"] for a in answers} == {"skewed@test"}
-        offset = float(state.hget(p.replica_key("skewed@test"), "clock_offset_ms") or 0)
+        offset = float(state.hget(keys.replica_key("skewed@test"), "clock_offset_ms") or 0)
         assert -450 < offset < -350  # it knows how far off it is
     finally:
         for worker in fleet.system.workers:

@@ -12,6 +12,7 @@ import pytest
 import redis
 import requests
 
+from control.broker import keys
 from control.core import protocol as p
 from control.load.loadgen import LoadSpec, TenantLoad, generate_tenants, summarize
 from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment, held_counts
@@ -32,7 +33,7 @@ def _queued(kb: Deployment, key: str, tier: str = "free") -> int:
     """What the key holds of its tier's queue now, by the broker's own count."""
     state = redis.Redis.from_url(kb.system.redis_url)
     now_ms = time.time() * 1000
-    return int(state.zcount(p.tenant_waiting_key(MODEL, tier, _tenant(key)), now_ms, "+inf"))
+    return int(state.zcount(keys.tenant_waiting_key(MODEL, tier, _tenant(key)), now_ms, "+inf"))
 
 
 @pytest.mark.slow
@@ -78,7 +79,7 @@ def test_a_queued_request_that_leaves_releases_its_keys_share() -> None:
         # Entries nothing removed (a process killed in between): those past their deadline
         # go at once; those no longer in the tier's queue are found by the next admission.
         state = redis.Redis.from_url(kb.system.redis_url)
-        share = p.tenant_waiting_key(MODEL, "free", _tenant(FLOOD_KEY))
+        share = keys.tenant_waiting_key(MODEL, "free", _tenant(FLOOD_KEY))
         now_ms = time.time() * 1000
         state.zadd(share, {f"past-{i}": now_ms - 1000 for i in range(20)})
         state.zadd(share, {f"lost-{i}": now_ms + 60_000 for i in range(6)})
@@ -133,7 +134,7 @@ def test_requests_re_queued_after_a_replica_dies_keep_then_release_their_keys_sh
         with ThreadPoolExecutor(48) as pool:
             body = {"model": MODEL, "prompt": "def f():\n"}
             futures = [pool.submit(kb.post, body, FLOOD_KEY, **{"X-Deadline-Ms": "3000"}) for _ in range(48)]
-            assert until(lambda: held_counts(kb).get(p.held_key(name), 0) > 0, 5)  # it holds some of them
+            assert until(lambda: held_counts(kb).get(keys.held_key(name), 0) > 0, 5)  # it holds some of them
             victim.send_signal(signal.SIGKILL)
             answers = [f.result() for f in futures]
         codes = [a.status_code if a.status_code == 200 else a.json()["error"]["code"] for a in answers]

@@ -19,8 +19,8 @@ from contextlib import contextmanager
 import pytest
 import requests
 
+from control.broker import keys
 from control.broker.traffic import TierTraffic
-from control.core import protocol as p
 from control.core.clock import SystemClock
 from control.core.lifecycle import ReplicaState
 from control.core.settings import Settings
@@ -205,7 +205,7 @@ def steady_load(d: Deployment, body: dict, num_clients: int = 16) -> Iterator[Co
 
 
 def _held(op: Operator, replica: str) -> int:
-    return int(op.redis.hlen(p.held_key(replica)))
+    return int(op.redis.hlen(keys.held_key(replica)))
 
 
 def test_drain_on_the_continuous_engine_finishes_the_running_requests() -> None:

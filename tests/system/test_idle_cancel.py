@@ -16,7 +16,7 @@ import pytest
 import redis
 import requests
 
-from control.core import protocol as p
+from control.broker import keys
 from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment, replica_for
 from tests.support.lm_fixtures import quick_model  # noqa: F401  (a fixture)
 from tests.support.waiting import until
@@ -51,7 +51,7 @@ def idle(request: pytest.FixtureRequest) -> Iterator[Deployment]:
 def _hang_up(d: Deployment, name: str) -> None:
     """Send a request and close the connection once its replica has started it."""
     state = redis.Redis.from_url(d.system.redis_url)
-    launched = state.zscore(p.launch_key(MODEL), name)
+    launched = state.zscore(keys.launch_key(MODEL), name)
     host, port = d.url.removeprefix("http://").split(":")
     body = json.dumps(BODY).encode()
     head = (
@@ -60,17 +60,17 @@ def _hang_up(d: Deployment, name: str) -> None:
     ).encode()
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(head + body)
-        assert until(lambda: state.zscore(p.launch_key(MODEL), name) != launched, 10, 0.002)  # its batch started
+        assert until(lambda: state.zscore(keys.launch_key(MODEL), name) != launched, 10, 0.002)  # its batch started
 
 
 def _cancel_running(d: Deployment, name: str, request_id: str) -> requests.Response:
     """Send a request and cancel it once its replica has started it."""
     state = redis.Redis.from_url(d.system.redis_url)
-    launched = state.zscore(p.launch_key(MODEL), name)
+    launched = state.zscore(keys.launch_key(MODEL), name)
     headers = {**AUTH, "X-Request-Id": request_id, "X-Deadline-Ms": "10000"}
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(requests.post, f"{d.url}/v1/completions", json=BODY, headers=headers, timeout=20)
-        assert until(lambda: state.zscore(p.launch_key(MODEL), name) != launched, 10, 0.002)  # its batch started
+        assert until(lambda: state.zscore(keys.launch_key(MODEL), name) != launched, 10, 0.002)  # its batch started
         cancel = requests.delete(f"{d.url}/v1/completions/{request_id}", headers=AUTH, timeout=5)
         assert cancel.status_code == 200, cancel.text
         return answer.result(20)
@@ -79,15 +79,15 @@ def _cancel_running(d: Deployment, name: str, request_id: str) -> requests.Respo
 def _serves_on(d: Deployment, pid: int, name: str) -> None:
     """Past the stall watchdog's window: the same process, serving, ready and answering."""
     state = redis.Redis.from_url(d.system.redis_url)
-    batch_ms = float(state.hget(p.replica_key(name), "batch_ms") or 0)
+    batch_ms = float(state.hget(keys.replica_key(name), "batch_ms") or 0)
     waited_until = time.monotonic() + (batch_ms + STALL_MS) / 1000 + 3 * HEARTBEAT_S + 0.5
     while time.monotonic() < waited_until:
         assert d.system.workers[0].poll() is None, "the replica exited"
-        assert state.hget(p.replica_key(name), "state") == b"serving"
+        assert state.hget(keys.replica_key(name), "state") == b"serving"
         assert requests.get(f"{d.url}/readyz", timeout=5).status_code == 200
         time.sleep(0.05)
     assert d.system.workers[0].pid == pid and d.system.workers[0].poll() is None
-    assert state.hget(p.replica_key(name), "busy") == b"0"  # nothing runs: not taken for busy
+    assert state.hget(keys.replica_key(name), "busy") == b"0"  # nothing runs: not taken for busy
     answer = d.post({**BODY, "max_tokens": 4}, **{"X-Deadline-Ms": "10000"})
     assert answer.status_code == 200, answer.text
 
@@ -98,7 +98,7 @@ def test_a_hang_up_mid_batch_leaves_an_idle_replica_serving(idle: Deployment) ->
     state = redis.Redis.from_url(idle.system.redis_url)
 
     def gone() -> int:
-        return int(state.hget(p.replica_key(name), "dropped_gone") or 0)
+        return int(state.hget(keys.replica_key(name), "dropped_gone") or 0)
 
     for i in range(2):
         _hang_up(idle, name)
@@ -132,12 +132,12 @@ def test_a_replica_stopped_mid_step_does_not_learn_the_stop_as_a_batch_cost(idle
     worker = idle.system.workers[0]
     name = replica_for(idle, worker.pid)
     state = redis.Redis.from_url(idle.system.redis_url)
-    launched = state.zscore(p.launch_key(MODEL), name)
+    launched = state.zscore(keys.launch_key(MODEL), name)
     before = _batch_ms(state, name)
     headers = {**AUTH, "X-Deadline-Ms": "20000"}
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(requests.post, f"{idle.url}/v1/completions", json=BODY, headers=headers, timeout=30)
-        assert until(lambda: state.zscore(p.launch_key(MODEL), name) != launched, 10, 0.002)
+        assert until(lambda: state.zscore(keys.launch_key(MODEL), name) != launched, 10, 0.002)
         for _ in range(3):  # some stop lands inside a forward
             worker.send_signal(signal.SIGSTOP)
             time.sleep(STOP_S)  # the pause is the fault injected, not a wait for a state
@@ -152,4 +152,4 @@ def test_a_replica_stopped_mid_step_does_not_learn_the_stop_as_a_batch_cost(idle
 
 def _batch_ms(state: redis.Redis, name: str) -> float:
     """What the replica last published as the time of one batch (what admission reads)."""
-    return float(state.hget(p.replica_key(name), "batch_ms") or 0)
+    return float(state.hget(keys.replica_key(name), "batch_ms") or 0)

@@ -15,7 +15,7 @@ import pytest
 import redis
 import requests
 
-from control.core import protocol as p
+from control.broker import keys
 from tests.support.busy import busy_replicas, queued_behind_busy_replicas
 from tests.support.deploy import FREE_KEY, MODEL, Deployment
 from tests.support.gateways import gateway_process
@@ -115,7 +115,7 @@ def test_an_answered_id_reused_with_another_body_is_refused_and_the_same_body_ge
 
 
 def _owner(kb: Deployment, request_id: str) -> str:
-    value = redis.Redis.from_url(kb.system.redis_url).get(p.owner_key(f"{_tenant(FREE_KEY)}:{request_id}"))
+    value = redis.Redis.from_url(kb.system.redis_url).get(keys.owner_key(f"{_tenant(FREE_KEY)}:{request_id}"))
     return value.decode() if value else ""
 
 

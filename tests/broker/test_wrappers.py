@@ -1,0 +1,209 @@
+"""The typed wrappers of control/broker/scripts.py on a real Valkey: each packs its named
+arguments as its script reads them and unpacks the answer into its typed result."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from control.broker import keys, records, scripts
+from control.broker.leases import release_replica
+from control.broker.scripts import Admission
+from control.fleet.valkey import EmbeddedBroker
+
+MODEL = "kb-small"
+FAR_MS = 9e15  # a deadline that never comes
+NOW_MS = 1_000.0
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[redis.Redis]:
+    with EmbeddedBroker() as server:
+        yield redis.Redis.from_url(server.url)
+
+
+@pytest.fixture
+def state(broker: redis.Redis) -> redis.Redis:
+    broker.flushall()
+    return broker
+
+
+def _tenant(key: str, attempt: str, gateway: str, *, fair: int = 100, rate: float = 100.0) -> scripts.TenantTerms:
+    tenant = key.partition(":")[0]
+    return scripts.TenantTerms(
+        waiting_paid_behind=keys.waiting_key(MODEL, "paid", behind=True),
+        waiting_free_behind=keys.waiting_key(MODEL, "free", behind=True),
+        queue_behind=keys.queue_key(MODEL, "paid", behind=True),
+        tenant_waiting=keys.tenant_waiting_key(MODEL, "paid", tenant),
+        bucket=keys.bucket_key("paid", tenant),
+        owner_behind=records.pack_owner(gateway, keys.waiting_key(MODEL, "paid", behind=True), tenant, attempt, ""),
+        deepest_behind=100,
+        fair_depth=fair,
+        max_queued=100,
+        rate_per_s=rate,
+        bucket_size=1.0 if rate else 0.0,
+        stale_checks=8,
+    )
+
+
+def _admit(
+    state: redis.Redis,
+    key: str,
+    attempt: str,
+    gateway: str = "gw-a",
+    *,
+    deepest: int = 100,
+    fingerprint: str = "",
+    tenant: scripts.TenantTerms | None = None,
+) -> scripts.AdmitAnswer:
+    waiting = keys.waiting_key(MODEL, "paid")
+    return scripts.Admit(state)(
+        owner_key=keys.owner_key(key),
+        waiting_paid=waiting,
+        waiting_free=keys.waiting_key(MODEL, "free"),
+        queue=keys.queue_key(MODEL, "paid"),
+        session=None,
+        owner=records.pack_owner(gateway, waiting, key.partition(":")[0], attempt, fingerprint),
+        ttl_ms=60_000,
+        deadline_ms=FAR_MS,
+        attempt=attempt,
+        tier="paid",
+        deepest=deepest,
+        now_ms=NOW_MS,
+        message=f'{{"properties":{{"priority":0,"correlation_id":"{attempt}"}}}}',
+        done_key=keys.done_key(key) if fingerprint else "",
+        gateway=gateway,
+        request_key=key,
+        arrival_field=f"{MODEL}|paid|in",
+        tenant=tenant,
+    )
+
+
+def _result(attempt: str) -> str:
+    return (
+        f'{{"kind":"result","id":"{attempt}","text":"x","finish_reason":"length","prompt_tokens":1,'
+        '"completion_tokens":1,"replica":"r1","backend":"fixed","batch_size":1,"batch_start_ms":0,"batch_end_ms":1}'
+    )
+
+
+def test_admission_admits_then_joins_a_retry_from_another_gateway(state: redis.Redis) -> None:
+    first = _admit(state, "acme:r1", "a1", "gw-a")
+    assert first == scripts.AdmitAnswer(Admission.ADMITTED, 0, 0, 0, 0, b"")
+    assert isinstance(first.status, Admission)
+    assert state.llen(keys.queue_key(MODEL, "paid")) == 1
+    assert state.hget(keys.traffic_key(int(NOW_MS // 1000)), f"{MODEL}|paid|in") == b"1"
+    joined = _admit(state, "acme:r1", "a2", "gw-b")
+    assert (joined.status, joined.extra) == (Admission.JOINED, b"a1")
+    assert records.parse_owner(state.get(keys.owner_key("acme:r1"))).gateways == "gw-a,gw-b"  # type: ignore[arg-type]
+
+
+def test_admission_counts_the_queue_it_found_and_refuses_past_the_deepest_position(state: redis.Redis) -> None:
+    assert _admit(state, "acme:r1", "a1").status == Admission.ADMITTED
+    deep = _admit(state, "acme:r2", "a2", deepest=1)
+    assert (deep.status, deep.paid, deep.free) == (Admission.TOO_DEEP, 1, 0)
+
+
+def test_admission_answers_a_retry_from_the_stored_answer_or_refuses_another_body(state: redis.Redis) -> None:
+    assert _admit(state, "acme:r1", "a1", fingerprint="f1").status == Admission.ADMITTED
+    delivery = scripts.Delivery("acme:r1", "a1", 60_000, "result", _result("a1"), "gw-a")
+    assert scripts.Deliver(state)("r1", [delivery]) == scripts.Delivered(1, 0)
+    answered = _admit(state, "acme:r1", "a9", fingerprint="f1")
+    assert (answered.status, answered.extra) == (Admission.ANSWERED, _result("a1").encode())
+    assert _admit(state, "acme:r1", "a9", fingerprint="other").status == Admission.BODY_MISMATCH
+
+
+def test_admission_refuses_a_tenant_out_of_tokens_and_one_holding_its_share(state: redis.Redis) -> None:
+    assert _admit(state, "acme:r1", "a1", tenant=_tenant("acme:r1", "a1", "gw-a")).status == Admission.ADMITTED
+    limited = _admit(state, "acme:r2", "a2", tenant=_tenant("acme:r2", "a2", "gw-a"))
+    assert limited.status == Admission.TENANT_RATE_LIMITED and float(limited.extra) > 0  # ms until a token
+    terms = _tenant("zeta:r1", "z1", "gw-a", rate=0.0)._replace(max_queued=0)
+    assert _admit(state, "zeta:r1", "z1", tenant=terms).status == Admission.TENANT_QUEUE_FULL
+
+
+def test_admission_queues_a_tenant_past_its_fair_depth_behind_the_others(state: redis.Redis) -> None:
+    terms = _tenant("acme:r1", "a1", "gw-a", fair=0, rate=0.0)
+    behind = _admit(state, "acme:r1", "a1", tenant=terms)
+    assert (behind.status, behind.extra) == (Admission.ADMITTED, b"1")
+    assert state.lrange(keys.queue_key(MODEL, "paid", behind=True), 0, -1) == [
+        b'{"properties":{"priority":3,"correlation_id":"a1"}}'
+    ]
+
+
+def test_cancel_takes_the_request_and_tells_its_gateway(state: redis.Redis) -> None:
+    _admit(state, "acme:r1", "a1", "gw-a")
+    cancel = scripts.Cancel(state)
+    assert cancel("acme:r1", "cancelled", tenant="other") is False
+    assert cancel("acme:r1", "cancelled", tenant="acme") is True
+    assert state.get(keys.cancel_key("a1")) == b"cancelled"
+    reply = json.loads(state.lpop(keys.reply_key("gw-a")))  # type: ignore[arg-type]
+    assert reply == {"items": [{"kind": "cancelled", "id": "a1", "reason": "cancelled"}]}
+
+
+def test_a_replica_records_claims_streams_and_delivers(state: redis.Redis) -> None:
+    _admit(state, "acme:r1", "a1", "gw-a")
+    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1", "M")
+    entries = [scripts.HeldEntry("a1", "acme:r1", held), scripts.HeldEntry("gone", "acme:gone", held)]
+    assert scripts.Record(state)("r1", entries) == 1
+    assert state.hgetall(keys.held_key("r1")) == {b"a1": held.encode()}
+    claim = scripts.Claim(state)
+    assert claim("r1", 10_000, ["a1"]) == [True]
+    state.set(keys.lease_key("r1"), "1")
+    assert claim("r2", 10_000, ["a1"]) == [False]  # r1 holds it and its lease is alive
+    pipe = state.pipeline(transaction=False)
+    assert claim("r1", 10_000, ["a1", "a2"], pipe=pipe) is None
+    assert scripts.Claim.answer(pipe.execute()[0]) == [True, True]
+    chunk = '{"kind":"chunk","id":"a1","offset":0,"text":"x"}'
+    assert (
+        scripts.Stream(state)(
+            [scripts.StreamChunk("acme:r1", "a1", chunk), scripts.StreamChunk("acme:r1", "old", chunk)]
+        )
+        == 1
+    )
+    assert state.lpop(keys.reply_key("gw-a")) == f'{{"items":[{chunk}]}}'.encode()
+    pipe = state.pipeline(transaction=False)
+    twice = [scripts.Delivery("acme:r1", "a1", 0, "result", _result("a1"), "gw-a")] * 2
+    assert scripts.Deliver(state)("r1", twice, pipe=pipe) is None
+    assert scripts.Deliver.answer(pipe.execute()[0]) == scripts.Delivered(1, 1)  # the second is waste
+    assert state.hgetall(keys.held_key("r1")) == {} and state.get(keys.WASTED_KEY) == b"1"
+
+
+def _hold(state: redis.Redis, replica: str, key: str, attempt: str, deadline_ms: float) -> None:
+    _admit(state, key, attempt)
+    queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
+    state.rpop(queue)  # the replica took it
+    state.zrem(waiting, attempt)
+    record = records.pack_held(deadline_ms, queue, waiting, key, f"MSG-{attempt}")
+    scripts.Record(state)(replica, [scripts.HeldEntry(attempt, key, record)])
+    state.sadd(keys.HOLDERS_KEY, replica)
+
+
+def test_a_sweep_requeues_what_a_replica_without_a_lease_held(state: redis.Redis) -> None:
+    _hold(state, "r1", "acme:r1", "a1", FAR_MS)
+    state.set(keys.lease_key("r1"), "1")
+    assert scripts.SweepOne(state)("r1", 265) is None  # its lease is alive
+    assert scripts.SweepDead(state)(265) == scripts.SweepReport(0, 0, 0, 0)
+    state.delete(keys.lease_key("r1"))
+    assert scripts.SweepDead(state)(265) == scripts.SweepReport(1, 1, 0, 1)
+    assert state.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-a1"]
+    assert state.get(keys.requeued_key("a1")) == b"1"
+
+
+def test_release_replica_expires_what_has_no_time_left(state: redis.Redis) -> None:
+    seconds, micros = state.time()
+    _hold(state, "r1", "acme:r1", "a1", seconds * 1000 + micros / 1000 + 100)  # less than a batch left
+    assert release_replica(state, "r1") == (0, 1)
+    assert release_replica(state, "r1") == (0, 0)  # nothing held any more
+
+
+def test_rescue_pushes_back_a_request_a_dead_replica_popped_and_never_recorded(state: redis.Redis) -> None:
+    _admit(state, "acme:r1", "a1")
+    queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
+    message = state.rpop(queue).decode()  # type: ignore[union-attr]  # popped, then the replica died
+    offer = scripts.RescueOffer("a1", "acme:r1", queue, waiting, FAR_MS, NOW_MS, message)
+    rescue = scripts.Rescue(state)
+    assert rescue(265, [offer]) == 1
+    assert rescue(265, [offer]) == 0  # it is in its queue now
+    assert state.lrange(queue, 0, -1) == [message.encode()]

@@ -1,0 +1,125 @@
+"""The docs against the code: the settings table in docs/operations.md names every field
+of `Settings` with its default and nothing else, every file in docs/bench/ is in its
+index, and no doc or stored report names a path of the machine it was written on.
+
+`KEYBATCH_UPDATE_DOCS=1 python -m tests.tools.test_docs` prints the settings table,
+meanings taken from the table in place (else from the field's description), to paste.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic_core import PydanticUndefined
+
+from control.core.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATIONS = ROOT / "docs" / "operations.md"
+BENCH = ROOT / "docs" / "bench"
+TABLE_HEAD = "| setting | default | meaning |"
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|tmp|home|root)/")
+
+
+def _default(field: Any) -> str:
+    """A field's default as the table writes it: unset, or its value as JSON."""
+    if field.default_factory is not None:
+        value = field.default_factory()
+    elif field.default is PydanticUndefined:
+        return "required"
+    else:
+        value = field.default
+    if value is None:
+        return "unset"
+    if isinstance(value, Path):
+        return f"`{value}`"
+    return f"`{json.dumps(value)}`"
+
+
+def expected_rows() -> dict[str, str]:
+    """Setting name (as the environment spells it, without the prefix) -> its default."""
+    return {name.upper(): _default(field) for name, field in Settings.model_fields.items()}
+
+
+def table_rows(text: str) -> dict[str, tuple[str, str]]:
+    """The settings table in `text`: name -> (default, meaning)."""
+    lines = text.splitlines()
+    start = lines.index(TABLE_HEAD) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        name, default, meaning = cells[0].strip("`"), cells[1], " | ".join(cells[2:])
+        assert name not in rows, f"{name} is in the table twice"
+        rows[name] = (default, meaning)
+    return rows
+
+
+def render_table(meanings: dict[str, str]) -> str:
+    lines = [TABLE_HEAD, "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        key = name.upper()
+        meaning = meanings.get(key) or field.description or ""
+        lines.append(f"| `{key}` | {_default(field)} | {meaning} |")
+    return "\n".join(lines)
+
+
+def test_settings_table_names_every_field_and_its_default() -> None:
+    documented = table_rows(OPERATIONS.read_text())
+    expected = expected_rows()
+    assert sorted(set(expected) - set(documented)) == [], "settings missing from docs/operations.md"
+    assert sorted(set(documented) - set(expected)) == [], "docs/operations.md names settings that do not exist"
+    wrong = {name: (documented[name][0], value) for name, value in expected.items() if documented[name][0] != value}
+    assert wrong == {}, "defaults in docs/operations.md differ from Settings: (documented, actual)"
+    assert all(meaning for _, meaning in documented.values()), "a setting without a meaning"
+
+
+def test_the_table_check_catches_a_missing_and_an_invented_setting() -> None:
+    table = render_table({})
+    rows = table_rows(table.replace("| `PORT` |", "| `PORTS` |"))
+    assert "PORT" not in rows and "PORTS" in rows
+    assert set(rows) != set(expected_rows())
+
+
+def test_bench_index_lists_every_stored_file() -> None:
+    index = (BENCH / "README.md").read_text()
+    listed = set(re.findall(r"`([\w.-]+\.(?:json|png|svg))`", index))
+    stored = {path.name for path in BENCH.iterdir() if path.name != "README.md"}
+    assert sorted(stored - listed) == [], "files in docs/bench/ missing from its README"
+    assert sorted(listed - stored) == [], "docs/bench/README.md lists files that are not there"
+
+
+def _docs() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted(BENCH.glob("*.json"))]
+
+
+def test_no_doc_or_stored_report_names_a_machine_path() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {match.group(0)}"
+        for path in _docs()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if (match := MACHINE_PATH.search(line))
+    ]
+    assert found == []
+
+
+def test_the_path_scan_catches_a_machine_path() -> None:
+    assert MACHINE_PATH.search('"log": "/tmp/keybatch-x/up.log"')
+    assert MACHINE_PATH.search("KEYBATCH_MODELS_DIR=/work/models")
+    assert not MACHINE_PATH.search("docs/bench/serving.json and /v1/completions")
+
+
+def test_stored_reports_are_valid_json() -> None:
+    for path in BENCH.glob("*.json"):
+        json.loads(path.read_text())
+
+
+if __name__ == "__main__" and os.environ.get("KEYBATCH_UPDATE_DOCS") == "1":
+    current = table_rows(OPERATIONS.read_text()) if TABLE_HEAD in OPERATIONS.read_text() else {}
+    sys.stdout.write(render_table({name: meaning for name, (_, meaning) in current.items()}) + "\n")
