@@ -33,7 +33,7 @@ import psutil
 
 from control.core.procs import free_port
 from control.core.settings import Settings
-from control.core.vocab import FREE, PAID, Policy, Tier
+from control.core.vocab import FREE, PAID, Backend, Policy, Tier
 from control.fleet.credentials import credentials_path, read_operator_url
 from control.fleet.up import Plan, System
 
@@ -90,8 +90,8 @@ class Deployment:
         env: dict[str, str],
         cwd: str | None = None,
         models: Sequence[str] = (MODEL,),
-        backend: str = "fixed",
-        policy: str = "static",
+        backend: Backend = "fixed",
+        policy: Policy = "static",
     ) -> None:
         self.name = name
         self.backend, self.policy = backend, policy

@@ -36,7 +36,7 @@ from control.broker import keys
 from control.chaos.idle import IdleSpec, print_idle, run_idle
 from control.core.memory import collector_paused
 from control.core.settings import Settings
-from control.core.vocab import PAID
+from control.core.vocab import PAID, Backend, Policy
 from control.load.loadgen import LoadSpec, Record, percentile, run_spec
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ class ChaosSpec:
     client_retries: int = 2
     spike: float = 3.0
     spike_s: float = 30.0
-    backend: str = "fixed"
-    policy: str = "static"
+    backend: Backend = "fixed"
+    policy: Policy = "static"
     idle: IdleSpec | None = None  # client-hangup --idle: faults one at a time, no load
 
     @classmethod
