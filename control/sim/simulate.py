@@ -317,7 +317,7 @@ class SimEngine:
         for i in plan.released:
             del self.rows[i]
             self.pendings.pop(i, None)
-        for i in plan.admitted:
+        for i in plan.joined:
             request = self.waiting.pop(i)
             self.rows[i] = [request.num_prompt_tokens, self.outputs.pop(i)]
         self.plan = plan

@@ -244,7 +244,7 @@ class HFEngine:
         outputs, self._outbox = self._outbox, []
         with torch.inference_mode():
             outputs += self._release_finished()  # a static batch whose last running request was aborted
-            self._admit(self.scheduler.admit(self._waiting_view(), len(self.rows)))
+            self._join(self.scheduler.join(self._waiting_view(), len(self.rows)))
             plan = self.scheduler.plan(self._running_view())
             outputs += self._decode(plan.decodes)
             outputs += self._prefill(plan.prefills)
@@ -290,7 +290,7 @@ class HFEngine:
             RunningRequest(r.id, r.num_prefill_left, r.job.tier, r.arrival, r.status.is_finished) for r in self.rows
         ]
 
-    def _admit(self, request_ids: list[str]) -> None:
+    def _join(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             request = self.waiting.pop(request_id)
             request.status = RequestStatus.RUNNING

@@ -1,4 +1,4 @@
-"""Which requests an engine admits and what each running one computes in the next step.
+"""Which waiting requests join an engine and what each running one computes in the next step.
 
 Pure policy in the shape of nano-vllm's scheduler and vLLM v1's: the engine hands in
 the waiting requests and the running ones, and gets back a `SchedulerOutput`. Each step
@@ -7,9 +7,9 @@ to prefill chunks, so a long prompt holds the running decodes back by one chunk 
 
 Two policies share it:
 
-- continuous: requests are admitted into free slots between any two steps, paid before
+- continuous: requests join free slots between any two steps, paid before
   free, then in arrival order; a finished request leaves at once.
-- static: requests are admitted only into an empty engine, and the batch stays (its
+- static: requests join only an empty engine, and the batch stays (its
   finished requests included, as padded rows of `generate` do) until all have finished.
 
 No torch here: the engine holds the tensors, this module only counts tokens.
@@ -31,7 +31,7 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # the most prompt tokens one request prefills in a step
     policy: Policy = "continuous"
     # Each request's prefill is a forward of its own, with a fixed cost besides its tokens:
-    # a burst of short prompts admitted together would otherwise make one step of dozens
+    # a burst of short prompts joining together would otherwise make one step of dozens
     # of forwards, stalling the running decodes (and the replica's lease) for its length.
     max_prefills: int = 8
 
@@ -82,7 +82,7 @@ class RunningRequest:
 class SchedulerOutput:
     """One step's plan."""
 
-    admitted: list[str] = field(default_factory=list)  # waiting requests that take a slot now
+    joined: list[str] = field(default_factory=list)  # waiting requests that take a slot now
     decodes: list[str] = field(default_factory=list)  # running requests that decode one token
     prefills: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens to prefill now
     released: list[str] = field(default_factory=list)  # finished requests whose slots free now
@@ -93,7 +93,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.admitted or self.decodes or self.prefills or self.released)
+        return not (self.joined or self.decodes or self.prefills or self.released)
 
 
 def _priority(request: WaitingRequest | RunningRequest) -> tuple[bool, int]:
@@ -101,9 +101,9 @@ def _priority(request: WaitingRequest | RunningRequest) -> tuple[bool, int]:
 
 
 class ContinuousScheduler:
-    """Admission, then the step's plan. `schedule` does both for an engine whose admitted
+    """Joins, then the step's plan. `schedule` does both for an engine whose joining
     requests prefill their whole prompt; an engine that reuses cached prefixes calls
-    `admit`, learns how much of each prompt it already holds, then calls `plan`."""
+    `join`, learns how much of each prompt it already holds, then calls `plan`."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -120,7 +120,7 @@ class ContinuousScheduler:
             return []
         return finished
 
-    def admit(self, waiting: list[WaitingRequest], num_running: int) -> list[str]:
+    def join(self, waiting: list[WaitingRequest], num_running: int) -> list[str]:
         """Waiting requests that take a free slot now: paid first, then by arrival."""
         if self.is_static and num_running:
             return []
@@ -142,13 +142,13 @@ class ContinuousScheduler:
         return SchedulerOutput(decodes=decodes, prefills=prefills)
 
     def schedule(self, waiting: list[WaitingRequest], running: list[RunningRequest]) -> SchedulerOutput:
-        """Release, admit and plan one step, every admitted prompt to be prefilled whole."""
+        """Release, join and plan one step, every joining prompt to be prefilled whole."""
         released = self.release(running)
         gone = set(released)
         staying = [r for r in running if r.id not in gone]
-        admitted = self.admit(waiting, len(staying))
+        joining = self.join(waiting, len(staying))
         by_id = {r.id: r for r in waiting}
-        joined = [RunningRequest(i, by_id[i].num_prompt_tokens, by_id[i].tier, by_id[i].arrival) for i in admitted]
+        joined = [RunningRequest(i, by_id[i].num_prompt_tokens, by_id[i].tier, by_id[i].arrival) for i in joining]
         out = self.plan(staying + joined)
-        out.admitted, out.released = admitted, released
+        out.joined, out.released = joining, released
         return out

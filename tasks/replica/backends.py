@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from control.core.settings import Settings
 from control.core.vocab import Policy
-from tasks.engine.contract import Engine, FixedLatencyEngine
+from tasks.engine.contract import Engine
+from tasks.engine.fixed import FixedLatencyEngine
 
 
 def make_engine(settings: Settings, model: str, backend: str, policy: Policy) -> Engine:

@@ -31,7 +31,9 @@ from control.core.settings import Settings
 from tasks.celery import celery_internals, kombu_internals
 from tasks.engine.contract import Engine
 from tasks.policy.collector import CollectorConfig, Pending
-from tasks.replica.replica import Replica, held
+from tasks.replica.config import ReplicaConfig
+from tasks.replica.intake import held
+from tasks.replica.replica import Replica
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,29 @@ class ReplicaSpec:
     settings: Settings
     engine: Engine
     load_engine: Callable[[str], Engine] | None = None  # another model's engine, for a move
+
+
+def replica_config(s: Settings, name: str, model: str, engine: Engine) -> ReplicaConfig:
+    """A replica's config from the settings; its collector starts from the engine's batch time."""
+    collector = CollectorConfig(
+        max_batch=s.max_batch,
+        max_wait_ms=s.max_wait_ms,
+        batch_ms=engine.expected_batch_ms(),
+        paid_boost_ms=s.paid_boost_ms,
+        margin_ms=s.deadline_margin_ms,
+    )
+    return ReplicaConfig(
+        name,
+        model,
+        collector,
+        pull_lead_ms=s.pull_lead_ms,
+        heartbeat_s=s.heartbeat_s,
+        ttl_s=s.replica_ttl_s,
+        lease_ms=s.lease_ms,
+        stall_ms=s.stall_ms,
+        max_clock_error_ms=s.max_clock_error_ms,
+        hand_back=s.hand_back_pulls,
+    )
 
 
 class BatchedTask(Task):
@@ -122,34 +147,18 @@ class ReplicaStep(bootsteps.StartStopStep):
         if self.replica is None:
             spec: ReplicaSpec = c.app.keybatch_spec
             s = spec.settings
-            config = CollectorConfig(
-                max_batch=s.max_batch,
-                max_wait_ms=s.max_wait_ms,
-                batch_ms=spec.engine.expected_batch_ms(),
-                paid_boost_ms=s.paid_boost_ms,
-                margin_ms=s.deadline_margin_ms,
-            )
             from control.broker.envelope import TaskMessages
             from control.core import connect
 
             client = connect.client(s.state_url, socket_timeout=2, socket_connect_timeout=2)
             self.replica = Replica(
-                c.hostname,
-                spec.model,
+                replica_config(s, c.hostname, spec.model, spec.engine),
                 spec.engine,
-                config,
                 client,
                 BrokerClock(client, SystemClock(s.clock_skew_ms)),
                 events=CeleryEvents(c),
                 wake=lambda: c.call_soon(_noop),
-                pull_lead_ms=s.pull_lead_ms,
-                heartbeat_s=s.heartbeat_s,
-                ttl_s=s.replica_ttl_s,
                 envelope=TaskMessages(c.app),
-                lease_ms=s.lease_ms,
-                stall_ms=s.stall_ms,
-                max_clock_error_ms=s.max_clock_error_ms,
-                hand_back=s.hand_back_pulls,
             )
             self.replica.load_engine = spec.load_engine
             self.replica.switch_queue = partial(_switch_queue, c)
@@ -321,4 +330,13 @@ def _never_called(self: object, job: dict) -> None:
     raise RuntimeError("keybatch.complete runs through the batching strategy, not the pool")
 
 
-__all__ = ["BatchedTask", "ReplicaSpec", "ReplicaStep", "batching_strategy", "exit_when_orphaned", "held", "run_worker"]
+__all__ = [
+    "BatchedTask",
+    "ReplicaSpec",
+    "ReplicaStep",
+    "batching_strategy",
+    "exit_when_orphaned",
+    "held",
+    "replica_config",
+    "run_worker",
+]

@@ -13,8 +13,9 @@ from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
-from tasks.engine.contract import FixedLatencyEngine
+from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
+from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
 from tests.support.jobs import admitted_job
@@ -31,7 +32,7 @@ def _replica(state: redis.Redis, max_batch: int, batch_ms: float) -> tuple[Repli
     engine = FixedLatencyEngine(max_batch=max_batch, batch_ms=batch_ms, continuous=True)
     clock = BrokerClock(state)
     config = CollectorConfig(max_batch=max_batch, max_wait_ms=0.0, batch_ms=batch_ms)
-    replica = Replica("r-cont", MODEL, engine, config, state, clock, lease_ms=1000.0)
+    replica = Replica(ReplicaConfig("r-cont", MODEL, config, lease_ms=1000.0), engine, state, clock)
     replica.start()
     return replica, clock
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import redis
@@ -13,8 +14,10 @@ from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
-from tasks.engine.contract import FixedLatencyEngine, StepOutput
+from tasks.engine.contract import StepOutput
+from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
+from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
 from tests.support.waiting import until
@@ -63,7 +66,7 @@ def test_a_batch_the_engine_raises_for_is_halved_until_the_culprit_fails_alone(s
     engine = RaisingEngine()
     clock = BrokerClock(state)
     config = CollectorConfig(max_batch=8, max_wait_ms=50.0, batch_ms=20.0)
-    replica = Replica("r-test", MODEL, engine, config, state, clock, lease_ms=1000.0)
+    replica = Replica(ReplicaConfig("r-test", MODEL, config, lease_ms=1000.0), engine, state, clock)
     replica.start()
     try:
         now = clock.now_ms()
@@ -96,7 +99,7 @@ def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_i
     clock = BrokerClock(state)
     engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
     config = CollectorConfig(max_batch=4, batch_ms=20.0, max_wait_ms=60_000.0)  # no batch starts by itself
-    replica = Replica("r-test", MODEL, engine, config, state, clock)
+    replica = Replica(ReplicaConfig("r-test", MODEL, config), engine, state, clock)
     replica.start()
     try:
         now = clock.now_ms()
@@ -109,7 +112,7 @@ def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_i
         assert not replica.submit(first)  # as if a BRPOP sent before the gate shut had brought it
         assert len(replica.collector) == 0
         assert state.lrange(queue, 0, -1) == [b"older", first.model_dump_json().encode()]  # next to be popped
-        replica.hand_back = False  # KEYBATCH_HAND_BACK_PULLS=0: it waits here for a batch
+        replica.config = replace(replica.config, hand_back=False)  # KEYBATCH_HAND_BACK_PULLS=0: it waits for a batch
         assert replica.submit(_job(2, "y", now))
         assert replica.collector.ids() == ["a2"]
         assert (replica.stats.num_taken_shut, replica.stats.num_handed_back) == (2, 1)
@@ -123,8 +126,8 @@ def test_a_request_a_pull_brings_after_the_gate_shut_goes_back_to_the_front_of_i
 def test_a_request_a_stopped_replica_is_brought_goes_back_to_its_queue(state: redis.Redis) -> None:
     clock = BrokerClock(state)
     engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
-    replica = Replica("r-test", MODEL, engine, CollectorConfig(max_batch=4, batch_ms=20.0), state, clock)
-    replica.hand_back = False  # even so: nothing would run it here
+    config = ReplicaConfig("r-test", MODEL, CollectorConfig(max_batch=4, batch_ms=20.0), hand_back=False)
+    replica = Replica(config, engine, state, clock)  # without hand_back even so: nothing would run it here
     replica.start()
     replica.stop()
     job = _job(1, "x", clock.now_ms())

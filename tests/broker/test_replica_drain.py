@@ -14,8 +14,10 @@ from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.core.lifecycle import IllegalTransition, ReplicaState
 from control.fleet.valkey import EmbeddedBroker
-from tasks.engine.contract import Engine, FixedLatencyEngine
+from tasks.engine.contract import Engine
+from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
+from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
 from tests.support.jobs import admitted_job
@@ -33,7 +35,9 @@ def state() -> Iterator[redis.Redis]:
 @pytest.fixture
 def replica(state: redis.Redis) -> Iterator[Replica]:
     config = CollectorConfig(max_batch=8, max_wait_ms=50.0, batch_ms=50.0)
-    r = Replica("r-test", MODEL, FixedLatencyEngine(8, 50.0), config, state, BrokerClock(state), lease_ms=1000.0)
+    r = Replica(
+        ReplicaConfig("r-test", MODEL, config, lease_ms=1000.0), FixedLatencyEngine(8, 50.0), state, BrokerClock(state)
+    )
     r.start()
     yield r
     r.stop()

@@ -13,8 +13,9 @@ from control.broker import keys
 from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
-from tasks.engine.contract import FixedLatencyEngine
+from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
+from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
 from tests.support.waiting import until
@@ -38,7 +39,7 @@ def test_a_batch_lost_to_another_replicas_claim_leaves_the_replica_idle(state: r
     engine = FixedLatencyEngine(max_batch=4, batch_ms=100.0, continuous=continuous)
     clock = BrokerClock(state)
     config = CollectorConfig(max_batch=4, max_wait_ms=0.0, batch_ms=100.0)
-    replica = Replica("r-idle", MODEL, engine, config, state, clock, lease_ms=1000.0, stall_ms=50.0)
+    replica = Replica(ReplicaConfig("r-idle", MODEL, config, lease_ms=1000.0, stall_ms=50.0), engine, state, clock)
     state.set(keys.lease_key("r-other"), 1, px=20_000)  # a live peer runs a0 already
     state.set(keys.claim_key("a0"), "r-other", px=20_000)
     replica.start()
@@ -48,7 +49,7 @@ def test_a_batch_lost_to_another_replicas_claim_leaves_the_replica_idle(state: r
         assert until(lambda: state.zscore(keys.launch_key(MODEL), "r-idle") != launched, 5, 0.002)  # it tried
         assert until(lambda: not replica.busy, 2, 0.005)
         assert until(lambda: state.zscore(keys.idle_key(MODEL), "r-idle") is not None, 2, 0.005)  # peers see it idle
-        assert not replica._is_stalled()
+        assert not replica.is_stalled()
         assert not engine.has_unfinished()
     finally:
         replica.stop()

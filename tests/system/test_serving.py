@@ -11,7 +11,7 @@ import redis
 import requests
 
 from control.core.protocol import Job, waiting_key
-from tasks.engine.contract import simulated_text
+from tasks.engine.fixed import simulated_text
 from tests.support.busy import busy_replicas, queued_behind_busy_replicas
 from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment
 

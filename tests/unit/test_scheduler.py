@@ -47,12 +47,12 @@ def test_paid_before_free_then_arrival_order() -> None:
     queue = [waiting("f1", arrival=1), waiting("p2", tier="paid", arrival=2), waiting("f0", arrival=0)]
     queue.append(waiting("p3", tier="paid", arrival=3))
     out = make_scheduler(max_slots=3).schedule(queue, [])
-    assert out.admitted == ["p2", "p3", "f0"]
+    assert out.joined == ["p2", "p3", "f0"]
 
 
 def test_admits_only_into_free_slots() -> None:
     out = make_scheduler(max_slots=3).schedule([waiting("a"), waiting("b", arrival=1)], [decoding("x"), decoding("y")])
-    assert out.admitted == ["a"]
+    assert out.joined == ["a"]
 
 
 def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
@@ -84,7 +84,7 @@ def test_paid_prefill_goes_first() -> None:
 def test_admitted_requests_prefill_in_the_same_step() -> None:
     sched = make_scheduler(token_budget=64, prefill_chunk=32)
     out = sched.schedule([waiting("a", 50), waiting("b", 50, arrival=1)], [])
-    assert out.admitted == ["a", "b"]
+    assert out.joined == ["a", "b"]
     assert out.prefills == {"a": 32, "b": 32}
     assert out.decodes == []
 
@@ -93,25 +93,25 @@ def test_continuous_releases_finished_at_once_and_refills() -> None:
     sched = make_scheduler(max_slots=2)
     out = sched.schedule([waiting("new")], [decoding("done", finished=True), decoding("busy")])
     assert out.released == ["done"]
-    assert out.admitted == ["new"]
+    assert out.joined == ["new"]
     assert out.decodes == ["busy"]
 
 
 def test_static_admits_only_into_an_empty_engine() -> None:
     sched = make_scheduler(policy="static", max_slots=4)
-    assert sched.schedule([waiting("late")], [decoding("a")]).admitted == []
-    assert sched.schedule([waiting("a"), waiting("b", arrival=1)], []).admitted == ["a", "b"]
+    assert sched.schedule([waiting("late")], [decoding("a")]).joined == []
+    assert sched.schedule([waiting("a"), waiting("b", arrival=1)], []).joined == ["a", "b"]
 
 
 def test_static_keeps_the_batch_until_all_finish() -> None:
     sched = make_scheduler(policy="static", max_slots=4)
     out = sched.schedule([waiting("late")], [decoding("a", finished=True), decoding("b")])
     assert out.released == []
-    assert out.admitted == []
+    assert out.joined == []
     assert out.decodes == ["a", "b"]  # the finished row still runs, as a padded row of generate
     out = sched.schedule([waiting("late")], [decoding("a", finished=True), decoding("b", finished=True)])
     assert out.released == ["a", "b"]
-    assert out.admitted == ["late"]
+    assert out.joined == ["late"]
 
 
 def test_a_finished_request_never_prefills() -> None:

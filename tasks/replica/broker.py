@@ -1,0 +1,280 @@
+"""Every Redis call a replica makes, and every key name and record it writes.
+
+The rest of tasks/replica/ calls this module and never touches `redis`: the lease, the
+held hash, the idle and launch lists, replies and streamed chunks (control/broker/failover.py's
+scripts), the registry entry and the claims. Each phase of the loop is one pipeline here,
+so a request costs the broker what it did when the loop built them itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
+
+import redis
+from redis.typing import EncodableT, FieldT
+
+from control.broker import failover, traffic
+from control.broker.envelope import job_from_message
+from control.core import protocol as p
+
+log = logging.getLogger(__name__)
+
+BrokerError = redis.RedisError  # what a call raises when the broker is away
+Client = redis.Redis
+Fields = dict[str, EncodableT]  # a registry entry
+
+Reply = p.Result | p.Failed | p.Dropped
+
+
+class ReplicaBroker:
+    """One replica's side of the broker (its name is in most of the keys)."""
+
+    def __init__(self, client: redis.Redis, name: str, envelope: Callable[[p.Job], str]) -> None:
+        self.redis = client
+        self.name = name
+        self.envelope = envelope  # the queue message of a job: what a sweep re-queues
+        self._claim = client.register_script(failover.CLAIM_LUA)
+        self._record_held = client.register_script(failover.RECORD_LUA)
+        self._deliver = client.register_script(failover.DELIVER_LUA)
+        self._stream = client.register_script(failover.STREAM_LUA)
+
+    # -- life cycle ------------------------------------------------------------
+
+    def lease_left_ms(self) -> int:
+        """What is left of a lease under this name (a replica restarted under it)."""
+        return int(self.redis.pttl(p.lease_key(self.name)))
+
+    def release_held(self, min_run_ms: float) -> tuple[int, int]:
+        """Re-queue what a replica under this name held: (re-queued, expired)."""
+        return failover.release_replica(self.redis, self.name, min_run_ms)
+
+    def leave(self, model: str) -> None:
+        """Out of the registry, the holders, the idle and launch lists; lease and held gone."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(p.replica_key(self.name))
+        pipe.srem(p.REPLICAS_KEY, self.name)
+        pipe.delete(p.lease_key(self.name), p.held_key(self.name))
+        pipe.srem(p.HOLDERS_KEY, self.name)
+        pipe.zrem(p.idle_key(model), self.name)
+        pipe.zrem(p.launch_key(model), self.name)
+        pipe.execute()
+
+    # -- intake: the held hash and the queue --------------------------------------
+
+    def push_back(self, job: p.Job) -> None:
+        """Back to the front of its queue (BRPOP's end), for the consumer that asks next."""
+        self.redis.rpush(p.queue_key(job.model, job.tier, job.behind), self.envelope(job))
+
+    def record_held(self, jobs: list[p.Job]) -> None:
+        """Write arrivals into the held hash, in one RECORD call; only those still in
+        flight: one answered meanwhile must not come back. Logs a broker that is away."""
+        if not jobs:
+            return
+        args: list[EncodableT] = [self.name]
+        for job in jobs:
+            args += [job.id, job.key, self._held_record(job)]
+        try:
+            self._record_held(args=args)
+        except redis.RedisError:
+            log.warning("could not record %d requests as held", len(jobs))
+
+    def _held_record(self, job: p.Job, message: str | None = None) -> str:
+        queue, waiting = p.queue_key(job.model, job.tier, job.behind), p.waiting_key(job.model, job.tier, job.behind)
+        return f"{job.deadline_ms:.0f}|{queue}|{waiting}|{job.key}|{message or self.envelope(job)}"
+
+    def forget_held(self, ids: list[str]) -> None:
+        """Held entries of requests another replica runs; a stale one is swept harmlessly."""
+        try:
+            self.redis.hdel(p.held_key(self.name), *ids)
+        except redis.RedisError:
+            pass  # the claim shows who runs it
+
+    # -- the lease -------------------------------------------------------------------
+
+    def _lease(self, pipe: redis.client.Pipeline, lease_ms: float) -> None:
+        pipe.set(p.lease_key(self.name), 1, px=int(lease_ms))
+        pipe.sadd(p.HOLDERS_KEY, self.name)
+
+    def renew_lease(self, lease_ms: float) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self._lease(pipe, lease_ms)
+        pipe.execute()
+
+    # -- take: cancels and late paid requests ----------------------------------------
+
+    def cancels_and_paid(
+        self, model: str, ids: list[str], room: int, behind: int = 0
+    ) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
+        """One round trip: the cancel reason of each of `ids` that has one, and up to
+        `room` paid requests (and `behind` free ones) still in the queue, with their raw
+        messages."""
+        if not ids and not room and not behind:
+            return {}, []
+        pipe = self.redis.pipeline(transaction=False)
+        if ids:
+            pipe.mget([p.cancel_key(i) for i in ids])
+        if room:
+            pipe.rpop(p.queue_key(model, "paid"), room)
+        if behind:
+            pipe.rpop(p.queue_key(model, "free"), behind)
+        results = pipe.execute()
+        values = results[0] if ids else []
+        reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
+        raws = [raw for popped in results[1 if ids else 0 :] for raw in popped or []]
+        jobs = []
+        for raw in raws:
+            try:
+                jobs.append((job_from_message(raw), raw.decode()))
+            except (ValueError, KeyError, TypeError, IndexError):
+                log.warning("dropping a malformed paid message")
+        if jobs:  # rare: late paid requests may have been cancelled while queued
+            late = [job.id for job, _raw in jobs]
+            # The client does not decode replies: the values are bytes.
+            values = cast("list[bytes | None]", self.redis.mget([p.cancel_key(i) for i in late]))
+            reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
+        return reasons, jobs
+
+    # -- settle: who left the buffer, and the claim -------------------------------------
+
+    def settle(
+        self,
+        model: str,
+        launched: list[tuple[p.Job, str | None]],
+        dropped: list[tuple[p.Job, str]],
+        claim: tuple[float, int, float] | None,
+    ) -> tuple[list[int], bool, list[float]] | None:
+        """One pipeline: held records of paid requests taken at this launch (those with a
+        message), out of the waiting sets for all that leave, Dropped notices, and with
+        `claim` (lease ms, claim ttl ms, now) the claim of the launched requests, out of
+        the idle list, into the launch list. Returns (claimed, a peer is idle, the peers'
+        launches) for a claim, else None."""
+        pipe = self.redis.pipeline(transaction=False)
+        late: dict[FieldT, EncodableT] = {job.id: self._held_record(job, msg) for job, msg in launched if msg}
+        if late:
+            pipe.hset(p.held_key(self.name), mapping=late)
+        self._leave_waiting(pipe, model, [job for job, _msg in launched] + [job for job, _reason in dropped])
+        notices = [p.Dropped(id=job.id, reason=reason, replica=self.name) for job, reason in dropped]
+        self._reply(pipe, notices, [job for job, _reason in dropped])
+        if claim is None:
+            pipe.execute()
+            return None
+        lease_ms, claim_ttl, now = claim
+        idle, launches = p.idle_key(model), p.launch_key(model)
+        self._lease(pipe, lease_ms)
+        self._claim(args=[self.name, claim_ttl, *(job.id for job, _msg in launched)], client=pipe)
+        pipe.zrem(idle, self.name)
+        pipe.zcount(idle, now, "+inf")
+        pipe.zadd(launches, {self.name: now})
+        pipe.zrange(launches, 0, -1, withscores=True)
+        *_, claimed, _, peers_idle, _, peer_launches = pipe.execute()
+        return claimed, peers_idle > 0, self._others(peer_launches)
+
+    def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:
+        """Out of the waiting sets admission counts: the tier's (in line or behind other
+        tenants', whichever list it came from) and its tenant's share."""
+        by_set: dict[str, list[str]] = defaultdict(list)
+        for job in leaving:
+            for behind in (False, True):
+                by_set[p.waiting_key(model, job.tier, behind)].append(job.id)
+            by_set[p.tenant_waiting_key(model, job.tier, p.tenant_of(job.key))].append(job.id)
+        for key, ids in by_set.items():
+            pipe.zrem(key, *ids)
+
+    # -- deliver: answers, the idle list ----------------------------------------------
+
+    def deliver(
+        self,
+        model: str,
+        items: Sequence[Reply],
+        jobs: list[p.Job],
+        end_ms: float,
+        lease_ms: float,
+        idle_until_ms: float | None = None,
+    ) -> tuple[int, list[float] | None]:
+        """One pipeline: the answers, the model's traffic, the lease; with `idle_until_ms`
+        (a batch's end) the idle list and the peers' launches too. Returns (results nobody
+        waited for, the peers' launches or None)."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._reply(pipe, items, jobs)
+        traffic.record_done(pipe, model, ((job.tier, end_ms - job.received_ms) for job in jobs), end_ms)
+        if idle_until_ms is not None:
+            self._idle(pipe, model, idle_until_ms)
+        self._lease(pipe, lease_ms)
+        if idle_until_ms is not None:
+            pipe.zrange(p.launch_key(model), 0, -1, withscores=True)
+        replies = pipe.execute()
+        wasted = int(replies[0][1])  # DELIVER: results nobody waited for
+        return wasted, self._others(replies[-1]) if idle_until_ms is not None else None
+
+    def reply(self, items: Iterable[Reply], jobs: list[p.Job], idle: tuple[str, float] | None = None) -> None:
+        """Send `items` (with `idle`, (model, until ms): and join the idle list)."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._reply(pipe, list(items), jobs)
+        if idle is not None:
+            self._idle(pipe, *idle)
+        pipe.execute()
+
+    def _reply(self, pipe: redis.client.Pipeline, items: Sequence[Reply], jobs: list[p.Job]) -> None:
+        """Queue the delivery of `items` onto `pipe`: each goes to the gateway that owns
+        its request now, once (control/broker/failover.py, DELIVER_LUA)."""
+        if not jobs:
+            return
+        args: list[EncodableT] = [self.name]
+        for item, job in zip(items, jobs, strict=True):
+            args += [job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway]
+        self._deliver(args=args, client=pipe)
+
+    def _others(self, launches: list[tuple[bytes, float]]) -> list[float]:
+        """When the other replicas of the model last started a batch."""
+        me = self.name.encode()
+        return [float(t) for name, t in launches if name != me]
+
+    def mark_idle(self, model: str, until_ms: float) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self._idle(pipe, model, until_ms)
+        pipe.execute()
+
+    def _idle(self, pipe: redis.client.Pipeline, model: str, until_ms: float, refresh_only: bool = False) -> None:
+        """Tell peers this replica is idle; a heartbeat only refreshes an entry (XX), so
+        one racing a batch start cannot put back what `settle` took out."""
+        pipe.zadd(p.idle_key(model), {self.name: until_ms}, xx=refresh_only)
+
+    def leave_idle(self, model: str) -> None:
+        """Out of the idle and launch lists: peers must not count on this replica."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(p.idle_key(model), self.name)
+        pipe.zrem(p.launch_key(model), self.name)
+        pipe.execute()
+
+    # -- streaming ------------------------------------------------------------------------
+
+    def stream(self, chunks: list[tuple[p.Job, p.Chunk]]) -> None:
+        """One script call sends every chunk of a step to the gateways that own them."""
+        args: list[EncodableT] = []
+        for job, chunk in chunks:
+            args += [job.key, job.id, chunk.model_dump_json()]
+        self._stream(args=args)
+
+    # -- registry, moves ---------------------------------------------------------------
+
+    def publish(self, fields: Fields, ttl_s: float, idle: tuple[str, float, bool] | None = None) -> None:
+        """The registry entry (with `idle`, (model, until ms, refresh only): the idle list)."""
+        key = p.replica_key(self.name)
+        pipe = self.redis.pipeline(transaction=False)
+        # redis-py types the mapping's keys invariantly as FieldT, which refuses a dict[str, ...].
+        pipe.hset(key, mapping=cast("dict[FieldT, EncodableT]", fields))
+        pipe.pexpire(key, int(ttl_s * 1000))
+        pipe.sadd(p.REPLICAS_KEY, self.name)
+        if idle is not None:
+            self._idle(pipe, idle[0], idle[1], refresh_only=idle[2])
+        pipe.execute()
+
+    def record_move(self, old: str, new: str) -> None:
+        """Out of the old model's idle list; the new model kept across a restart (control/cli/main.py)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(p.idle_key(old), self.name)
+        pipe.set(p.assignment_key(self.name), new)
+        pipe.execute()

@@ -1,0 +1,21 @@
+"""What a replica is told when it is built: its name, its model and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tasks.policy.collector import CollectorConfig
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    name: str
+    model: str  # the model it serves first (a move changes the replica's, not this)
+    collector: CollectorConfig  # copied by the replica: its batch time follows the engine's
+    pull_lead_ms: float = 40.0
+    heartbeat_s: float = 1.0
+    ttl_s: float = 3.0  # the registry entry outlives a few missed heartbeats
+    lease_ms: float = 300.0
+    stall_ms: float = 2000.0  # an engine step this far past a whole batch's time hangs
+    max_clock_error_ms: float = 25.0
+    hand_back: bool = True  # what a pull sent before the gate shut brings goes back to the queue

@@ -1,0 +1,38 @@
+"""When a replica renews its lease, and for how long (control/broker/failover.py).
+
+Pure timing, monotonic ms: the broker calls that renew it are tasks/replica/broker.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+class LeaseClock:
+    def __init__(self, lease_ms: float) -> None:
+        self.lease_ms = lease_ms
+        self.renew_at_ms = 0.0  # monotonic; 0 before the first renewal
+
+    def renewal_ms(self, step_ms: float) -> float:
+        """The lease a renewal sent now sets; the next one is due a third of a lease on."""
+        now = monotonic_ms()
+        # A step is renewed around, never during: the lease outlasts a few of the slowest.
+        lease_ms = max(self.lease_ms, 4 * step_ms)
+        late = now - (self.renew_at_ms + lease_ms - self.lease_ms / 3)
+        if self.renew_at_ms and late > 0:
+            log.warning("lease renewed %.0f ms after it lapsed (the loop stalled)", late)
+        self.renew_at_ms = now + self.lease_ms / 3
+        return lease_ms
+
+    def is_due(self) -> bool:
+        return monotonic_ms() >= self.renew_at_ms
+
+    def due_in_ms(self) -> float:
+        return self.renew_at_ms - monotonic_ms()
+
+
+def monotonic_ms() -> float:
+    return time.monotonic() * 1000.0

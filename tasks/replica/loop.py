@@ -1,0 +1,235 @@
+"""The batching loop, one turn at a time: take, settle, run, deliver.
+
+- take: one round trip checks the whole buffer (and what runs) for cancels and brings
+  paid requests still in the queue; cancelled and expired requests leave, a batch is
+  popped if one is due;
+- settle: tell the waiting-room and the gateways which requests left the buffer, and
+  claim the batch (a request another replica claimed first runs there);
+- run: the policy's (policies.py): a static batch to its end, or a continuous engine's
+  joins and one step;
+- deliver: answer every finished request in one delivery script.
+
+Both policies run these same phases; `policies.py` holds only what differs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from control.core import protocol as p
+from tasks.engine.contract import StepOutput
+from tasks.policy.collector import Pending
+from tasks.replica.intake import Intake, held
+from tasks.replica.lease import monotonic_ms
+from tasks.replica.operations import Operations
+from tasks.replica.policies import ContinuousPolicy, Finished, Policy, StaticPolicy
+
+if TYPE_CHECKING:
+    from tasks.replica.core import ReplicaCore
+
+log = logging.getLogger(__name__)
+
+
+class Loop:
+    def __init__(self, replica: ReplicaCore, intake: Intake, ops: Operations) -> None:
+        self.replica = replica
+        self.intake = intake
+        self.ops = ops
+        self.policy: Policy = (
+            ContinuousPolicy(replica, self) if replica.engine.continuous else StaticPolicy(replica, self, intake.hold)
+        )
+        self.in_hand: list[Pending] = []  # taken from the buffer, not yet answered nor in the engine
+
+    def run(self) -> None:
+        r = self.replica
+        while (due := self.policy.wait()) is not None:
+            self.in_hand = []
+            started = monotonic_ms()
+            try:
+                r.renew_lease_if_due()
+                self.ops.check_drained()
+                r.collector.config.batch_ms = r.engine.expected_batch_ms()  # measured, where the engine can
+                if due:
+                    self.in_hand, dropped = self.take()
+                    self.in_hand = self.settle(self.in_hand, dropped)
+                    self.policy.run(self.in_hand, started)
+            except Exception:  # Redis away, a bad message: never let the loop die
+                log.exception("batching loop error; %d requests in hand, %d running", len(self.in_hand), len(r.joined))
+                self.fail()
+                r.stopped.wait(0.1)
+
+    # -- take ----------------------------------------------------------------------
+
+    def take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
+        r = self.replica
+        with r.cond:
+            ids = r.collector.ids()
+            room, behind = self.policy.room() if r.is_taking() else (0, 0)
+        # One round trip: cancels for the whole buffer and what runs, and paid requests
+        # still in the queue that would otherwise ride behind free ones already buffered
+        # (and free ones in line behind buffered requests of a tenant beyond its share).
+        reasons, late_paid = r.broker.cancels_and_paid(r.model, ids + list(r.joined), room, behind)
+        now = r.clock.now_ms()
+        self._abort_gone_running(reasons, now)
+        with r.cond:
+            dropped = self._add_late_paid_and_drop_gone(late_paid, reasons, now)
+            batch = self.policy.pop(now)
+        if late_paid:  # those launched now are recorded by the launch itself (`settle`)
+            launched = {pending.id for pending in batch}
+            self.policy.record([job for job, _raw in late_paid if job.id not in launched])
+        return batch, {reason: group for reason, group in dropped.items() if group}
+
+    def _add_late_paid_and_drop_gone(
+        self, late_paid: list[tuple[p.Job, str]], reasons: dict[str, str], now_ms: float
+    ) -> dict[str, list[Pending]]:
+        """Under the lock: paid requests taken late join the buffer; cancelled and expired
+        ones leave it (returned by reason)."""
+        collector = self.replica.collector
+        dropped: dict[str, list[Pending]] = defaultdict(list)
+        for job, raw in late_paid:
+            collector.add(self.intake.pending(job, raw))
+        for pending in collector.remove(set(reasons)):
+            dropped[reasons[pending.id]].append(pending)
+        dropped["expired"].extend(collector.pop_expired(now_ms))
+        return dropped
+
+    def _abort_gone_running(self, reasons: dict[str, str], now_ms: float) -> None:
+        """A running request whose client went (or whose deadline passed) leaves at this
+        step: its slot is free for the next request (continuous: a static batch runs
+        nothing between its batches)."""
+        r = self.replica
+        gone: dict[str, list[Pending]] = defaultdict(list)
+        running = max(1, len(r.joined))
+        for attempt, (pending, joined) in list(r.joined.items()):
+            reason = reasons.get(attempt) or ("expired" if now_ms > pending.deadline_ms else None)
+            if reason is None:
+                continue
+            r.stats.waste(1, max(0.0, now_ms - joined) / running)  # ran until now for nobody
+            r.engine.abort_request(attempt)
+            del r.joined[attempt]
+            r.streams.forget(attempt)
+            gone[reason].append(pending)
+        if not gone:
+            return
+        notices = [p.Dropped(id=pd.id, reason=reason, replica=r.name) for reason, group in gone.items() for pd in group]
+        r.broker.reply(notices, [held(pd).job for group in gone.values() for pd in group])
+        self._count_dropped(gone)
+
+    def _count_dropped(self, dropped: dict[str, list[Pending]]) -> None:
+        for reason, group in dropped.items():
+            self.replica.stats.dropped[reason] += len(group)
+            self.replica.events.revoked(group, reason)
+
+    # -- settle ----------------------------------------------------------------------
+
+    def settle(self, batch: list[Pending], dropped: dict[str, list[Pending]]) -> list[Pending]:
+        """Tell the waiting-room and the gateways which requests left the buffer, and
+        claim the batch; returns the part of it this replica may run."""
+        r = self.replica
+        if not batch and not dropped:
+            return batch
+        claim = None
+        if batch:
+            now = r.clock.now_ms()
+            claim = (r.lease_ms(), int(max(pd.deadline_ms for pd in batch) - now) + 1000, now)
+        settled = r.broker.settle(
+            r.model,
+            [(held(pd).job, held(pd).message) for pd in batch],
+            [(held(pd).job, reason) for reason, group in dropped.items() for pd in group],
+            claim,
+        )
+        if settled is not None:
+            claimed, peers_idle, launches = settled
+            r.gate.peers(idle=peers_idle, launches=launches)
+            batch = self._keep_claimed(batch, claimed)
+        self._count_dropped(dropped)
+        return batch
+
+    def _keep_claimed(self, batch: list[Pending], claimed: list[int]) -> list[Pending]:
+        """A request another live replica claimed first (a re-queued copy) runs there."""
+        r = self.replica
+        if all(claimed):
+            return batch
+        lost = [pd.id for pd, ok in zip(batch, claimed, strict=True) if not ok]
+        log.info("%d requests of the batch run on another replica", len(lost))
+        r.broker.forget_held(lost)
+        kept = [pd for pd, ok in zip(batch, claimed, strict=True) if ok]
+        if not kept and not r.engine.continuous:  # a continuous loop decides after its turn
+            r.busy = False
+            r.rejoin_idle()  # `settle` took it out of the idle list for a batch it does not run
+        return kept
+
+    # -- deliver -------------------------------------------------------------------------
+
+    def deliver(self, finished: list[Finished], batch_size: int, end: float, ends_batch: bool) -> None:
+        """Answer every finished request in one pipeline; at the end of a static batch the
+        replica is idle again and times its next batch from its peers' launches."""
+        r = self.replica
+        jobs = [held(pending).job for pending, _out, _start in finished]
+        items = [self.result(held(pd).job, out, batch_size, start, end) for pd, out, start in finished]
+        for job in jobs:
+            r.streams.forget(job.id)
+        idle_until = r.idle_until_ms() if ends_batch else None
+        wasted, launches = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until)
+        r.stats.waste(wasted, sum((end - start) / batch_size for _pd, _out, start in finished) / len(finished))
+        r.stats.ran(len(jobs), batch_size)
+        if launches is not None:
+            r.gate.peers(launches=launches)
+            with r.cond:  # the phase of the next batch, now that this one is done
+                r.collector.stagger_from(r.gate.peer_launches, len(jobs), r.clock.now_ms())
+
+    def result(self, job: p.Job, out: StepOutput, batch_size: int, start: float, end: float) -> p.Result | p.Failed:
+        r = self.replica
+        if out.error:
+            return p.Failed(
+                id=job.id,
+                message=out.error,
+                replica=r.name,
+                per_request=True,
+                code=out.code,
+                status=out.http_status,
+            )
+        return p.Result(
+            id=job.id,
+            text=out.text,
+            finish_reason=out.finish_reason or "length",
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            replica=r.name,
+            backend=r.engine.name,
+            batch_size=batch_size,
+            batch_start_ms=start,
+            batch_end_ms=end,
+        )
+
+    # -- the one fail path -------------------------------------------------------------
+
+    def fail(self) -> None:
+        """The turn failed: answer what is in hand and what runs (503, retry), empty the
+        engine and take the replica out of busy."""
+        r = self.replica
+        running = [pending for pending, _start in r.joined.values()]
+        for attempt in list(r.joined):
+            r.engine.abort_request(attempt)
+        r.joined.clear()
+        r.streams.clear()
+        batch = [pd for pd in self.in_hand if pd.id not in {rp.id for rp in running}] + running
+        self.in_hand = []
+        r.busy = False
+        if not batch:
+            return
+        try:
+            self._answer_failed(batch, "replica error")
+        except Exception:
+            log.exception("could not tell the gateways; their requests end at their deadlines")
+
+    def _answer_failed(self, batch: list[Pending], message: str) -> None:
+        r = self.replica
+        jobs = [held(pending).job for pending in batch]
+        failures = [p.Failed(id=job.id, message=message, replica=r.name) for job in jobs]
+        r.broker.reply(failures, jobs, idle=(r.model, r.idle_until_ms()))
+        r.busy = False
+        r.wake()
+        r.events.failed(batch, message)
