@@ -51,55 +51,6 @@ def tenant_of(key: str) -> str:
     return key.partition(":")[0]
 
 
-# -- transitional ------------------------------------------------------------------------
-# Key names are made in control/broker/keys.py. These copies serve the callers below the
-# broker's layer that are not yet moved there (tasks/replica); tests/broker/test_keys.py
-# checks they name the same keys. Delete once nothing imports them from here.
-REPLICAS_KEY = f"{PREFIX}:replicas"
-HOLDERS_KEY = f"{PREFIX}:holders"
-
-
-def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
-    priority = priority_of(tier) + (BEHIND_STEP if behind else 0)
-    return queue_name(model) if priority == 0 else f"{queue_name(model)}{PRIORITY_SEP}{priority}"
-
-
-def cancel_key(attempt: str) -> str:
-    return f"{PREFIX}:cancel:{attempt}"
-
-
-def lease_key(replica: str) -> str:
-    return f"{PREFIX}:lease:{replica}"
-
-
-def held_key(replica: str) -> str:
-    return f"{PREFIX}:held:{replica}"
-
-
-def waiting_key(model: str, tier: Tier, behind: bool = False) -> str:
-    return f"{PREFIX}:waiting:{model}:{tier}{':behind' if behind else ''}"
-
-
-def tenant_waiting_key(model: str, tier: Tier, tenant: str) -> str:
-    return f"{waiting_key(model, tier)}:t:{tenant}"
-
-
-def idle_key(model: str) -> str:
-    return f"{PREFIX}:idle:{model}"
-
-
-def launch_key(model: str) -> str:
-    return f"{PREFIX}:launch:{model}"
-
-
-def replica_key(name: str) -> str:
-    return f"{PREFIX}:replica:{name}"
-
-
-def assignment_key(name: str) -> str:
-    return f"{PREFIX}:assign:{name}"
-
-
 class Job(BaseModel):
     """The payload of one Celery task: one completion request.
 

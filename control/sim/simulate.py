@@ -899,7 +899,7 @@ class Simulation:
 
     def _host_down(self) -> None:
         """The first host of the first group dies mid-batch: its replicas stop at once; the
-        lease lapses and a sweep re-queues what they held (control/broker/failover.py, SWEEP)."""
+        lease lapses and a sweep re-queues what they held (control/broker/scripts.py, SWEEP)."""
         group = self.groups[0]
         dead = [r for r in group.replicas if r.alive][: self.config.host_size]
         for replica in dead:

@@ -1,8 +1,9 @@
 """Every Redis call a replica makes, and every key name and record it writes.
 
 The rest of tasks/replica/ calls this module and never touches `redis`: the lease, the
-held hash, the idle and launch lists, replies and streamed chunks (control/broker/failover.py's
-scripts), the registry entry and the claims. Each phase of the loop is one pipeline here,
+held hash, the idle and launch lists, replies and streamed chunks (control/broker/scripts.py),
+the registry entry and the claims. Key names come from control/broker/keys.py and records
+are packed by control/broker/records.py. Each phase of the loop is one pipeline here,
 so a request costs the broker what it did when the loop built them itself.
 """
 
@@ -16,15 +17,16 @@ from typing import cast
 import redis
 from redis.typing import EncodableT, FieldT
 
-from control.broker import failover, traffic
+from control.broker import keys, records, scripts, traffic
 from control.broker.envelope import job_from_message
+from control.broker.leases import release_replica
 from control.core import protocol as p
 
 log = logging.getLogger(__name__)
 
 BrokerError = redis.RedisError  # what a call raises when the broker is away
 Client = redis.Redis
-Fields = dict[str, EncodableT]  # a registry entry
+Fields = dict[str, str | int | float]  # a registry entry (control/broker/records.py)
 
 Reply = p.Result | p.Failed | p.Dropped
 
@@ -36,67 +38,66 @@ class ReplicaBroker:
         self.redis = client
         self.name = name
         self.envelope = envelope  # the queue message of a job: what a sweep re-queues
-        self._claim = client.register_script(failover.CLAIM_LUA)
-        self._record_held = client.register_script(failover.RECORD_LUA)
-        self._deliver = client.register_script(failover.DELIVER_LUA)
-        self._stream = client.register_script(failover.STREAM_LUA)
+        self._claim = scripts.Claim(client)
+        self._record_held = scripts.Record(client)
+        self._deliver = scripts.Deliver(client)
+        self._stream = scripts.Stream(client)
 
     # -- life cycle ------------------------------------------------------------
 
     def lease_left_ms(self) -> int:
         """What is left of a lease under this name (a replica restarted under it)."""
-        return int(self.redis.pttl(p.lease_key(self.name)))
+        return int(self.redis.pttl(keys.lease_key(self.name)))
 
     def release_held(self, min_run_ms: float) -> tuple[int, int]:
         """Re-queue what a replica under this name held: (re-queued, expired)."""
-        return failover.release_replica(self.redis, self.name, min_run_ms)
+        return release_replica(self.redis, self.name, min_run_ms)
 
     def leave(self, model: str) -> None:
         """Out of the registry, the holders, the idle and launch lists; lease and held gone."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(p.replica_key(self.name))
-        pipe.srem(p.REPLICAS_KEY, self.name)
-        pipe.delete(p.lease_key(self.name), p.held_key(self.name))
-        pipe.srem(p.HOLDERS_KEY, self.name)
-        pipe.zrem(p.idle_key(model), self.name)
-        pipe.zrem(p.launch_key(model), self.name)
+        pipe.delete(keys.replica_key(self.name))
+        pipe.srem(keys.REPLICAS_KEY, self.name)
+        pipe.delete(keys.lease_key(self.name), keys.held_key(self.name))
+        pipe.srem(keys.HOLDERS_KEY, self.name)
+        pipe.zrem(keys.idle_key(model), self.name)
+        pipe.zrem(keys.launch_key(model), self.name)
         pipe.execute()
 
     # -- intake: the held hash and the queue --------------------------------------
 
     def push_back(self, job: p.Job) -> None:
         """Back to the front of its queue (BRPOP's end), for the consumer that asks next."""
-        self.redis.rpush(p.queue_key(job.model, job.tier, job.behind), self.envelope(job))
+        self.redis.rpush(keys.queue_key(job.model, job.tier, job.behind), self.envelope(job))
 
     def record_held(self, jobs: list[p.Job]) -> None:
         """Write arrivals into the held hash, in one RECORD call; only those still in
         flight: one answered meanwhile must not come back. Logs a broker that is away."""
         if not jobs:
             return
-        args: list[EncodableT] = [self.name]
-        for job in jobs:
-            args += [job.id, job.key, self._held_record(job)]
+        entries = [scripts.HeldEntry(job.id, job.key, self._held_record(job)) for job in jobs]
         try:
-            self._record_held(args=args)
+            self._record_held(self.name, entries)
         except redis.RedisError:
             log.warning("could not record %d requests as held", len(jobs))
 
     def _held_record(self, job: p.Job, message: str | None = None) -> str:
-        queue, waiting = p.queue_key(job.model, job.tier, job.behind), p.waiting_key(job.model, job.tier, job.behind)
-        return f"{job.deadline_ms:.0f}|{queue}|{waiting}|{job.key}|{message or self.envelope(job)}"
+        queue = keys.queue_key(job.model, job.tier, job.behind)
+        waiting = keys.waiting_key(job.model, job.tier, job.behind)
+        return records.pack_held(job.deadline_ms, queue, waiting, job.key, message or self.envelope(job))
 
     def forget_held(self, ids: list[str]) -> None:
         """Held entries of requests another replica runs; a stale one is swept harmlessly."""
         try:
-            self.redis.hdel(p.held_key(self.name), *ids)
+            self.redis.hdel(keys.held_key(self.name), *ids)
         except redis.RedisError:
             pass  # the claim shows who runs it
 
     # -- the lease -------------------------------------------------------------------
 
     def _lease(self, pipe: redis.client.Pipeline, lease_ms: float) -> None:
-        pipe.set(p.lease_key(self.name), 1, px=int(lease_ms))
-        pipe.sadd(p.HOLDERS_KEY, self.name)
+        pipe.set(keys.lease_key(self.name), 1, px=int(lease_ms))
+        pipe.sadd(keys.HOLDERS_KEY, self.name)
 
     def renew_lease(self, lease_ms: float) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -115,11 +116,11 @@ class ReplicaBroker:
             return {}, []
         pipe = self.redis.pipeline(transaction=False)
         if ids:
-            pipe.mget([p.cancel_key(i) for i in ids])
+            pipe.mget([keys.cancel_key(i) for i in ids])
         if room:
-            pipe.rpop(p.queue_key(model, "paid"), room)
+            pipe.rpop(keys.queue_key(model, "paid"), room)
         if behind:
-            pipe.rpop(p.queue_key(model, "free"), behind)
+            pipe.rpop(keys.queue_key(model, "free"), behind)
         results = pipe.execute()
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
@@ -133,7 +134,7 @@ class ReplicaBroker:
         if jobs:  # rare: late paid requests may have been cancelled while queued
             late = [job.id for job, _raw in jobs]
             # The client does not decode replies: the values are bytes.
-            values = cast("list[bytes | None]", self.redis.mget([p.cancel_key(i) for i in late]))
+            values = cast("list[bytes | None]", self.redis.mget([keys.cancel_key(i) for i in late]))
             reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
         return reasons, jobs
 
@@ -145,7 +146,7 @@ class ReplicaBroker:
         launched: list[tuple[p.Job, str | None]],
         dropped: list[tuple[p.Job, str]],
         claim: tuple[float, int, float] | None,
-    ) -> tuple[list[int], bool, list[float]] | None:
+    ) -> tuple[list[bool], bool, list[float]] | None:
         """One pipeline: held records of paid requests taken at this launch (those with a
         message), out of the waiting sets for all that leave, Dropped notices, and with
         `claim` (lease ms, claim ttl ms, now) the claim of the launched requests, out of
@@ -154,7 +155,7 @@ class ReplicaBroker:
         pipe = self.redis.pipeline(transaction=False)
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job, msg) for job, msg in launched if msg}
         if late:
-            pipe.hset(p.held_key(self.name), mapping=late)
+            pipe.hset(keys.held_key(self.name), mapping=late)
         self._leave_waiting(pipe, model, [job for job, _msg in launched] + [job for job, _reason in dropped])
         notices = [p.Dropped(id=job.id, reason=reason, replica=self.name) for job, reason in dropped]
         self._reply(pipe, notices, [job for job, _reason in dropped])
@@ -162,15 +163,15 @@ class ReplicaBroker:
             pipe.execute()
             return None
         lease_ms, claim_ttl, now = claim
-        idle, launches = p.idle_key(model), p.launch_key(model)
+        idle, launches = keys.idle_key(model), keys.launch_key(model)
         self._lease(pipe, lease_ms)
-        self._claim(args=[self.name, claim_ttl, *(job.id for job, _msg in launched)], client=pipe)
+        self._claim(self.name, claim_ttl, [job.id for job, _msg in launched], pipe=pipe)
         pipe.zrem(idle, self.name)
         pipe.zcount(idle, now, "+inf")
         pipe.zadd(launches, {self.name: now})
         pipe.zrange(launches, 0, -1, withscores=True)
         *_, claimed, _, peers_idle, _, peer_launches = pipe.execute()
-        return claimed, peers_idle > 0, self._others(peer_launches)
+        return scripts.Claim.answer(claimed), peers_idle > 0, self._others(peer_launches)
 
     def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:
         """Out of the waiting sets admission counts: the tier's (in line or behind other
@@ -178,8 +179,8 @@ class ReplicaBroker:
         by_set: dict[str, list[str]] = defaultdict(list)
         for job in leaving:
             for behind in (False, True):
-                by_set[p.waiting_key(model, job.tier, behind)].append(job.id)
-            by_set[p.tenant_waiting_key(model, job.tier, p.tenant_of(job.key))].append(job.id)
+                by_set[keys.waiting_key(model, job.tier, behind)].append(job.id)
+            by_set[keys.tenant_waiting_key(model, job.tier, p.tenant_of(job.key))].append(job.id)
         for key, ids in by_set.items():
             pipe.zrem(key, *ids)
 
@@ -204,9 +205,9 @@ class ReplicaBroker:
             self._idle(pipe, model, idle_until_ms)
         self._lease(pipe, lease_ms)
         if idle_until_ms is not None:
-            pipe.zrange(p.launch_key(model), 0, -1, withscores=True)
+            pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
         replies = pipe.execute()
-        wasted = int(replies[0][1])  # DELIVER: results nobody waited for
+        wasted = scripts.Deliver.answer(replies[0]).wasted  # results nobody waited for
         return wasted, self._others(replies[-1]) if idle_until_ms is not None else None
 
     def reply(self, items: Iterable[Reply], jobs: list[p.Job], idle: tuple[str, float] | None = None) -> None:
@@ -219,13 +220,14 @@ class ReplicaBroker:
 
     def _reply(self, pipe: redis.client.Pipeline, items: Sequence[Reply], jobs: list[p.Job]) -> None:
         """Queue the delivery of `items` onto `pipe`: each goes to the gateway that owns
-        its request now, once (control/broker/failover.py, DELIVER_LUA)."""
+        its request now, once (control/broker/scripts.py's `Deliver`)."""
         if not jobs:
             return
-        args: list[EncodableT] = [self.name]
-        for item, job in zip(items, jobs, strict=True):
-            args += [job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway]
-        self._deliver(args=args, client=pipe)
+        deliveries = [
+            scripts.Delivery(job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway)
+            for item, job in zip(items, jobs, strict=True)
+        ]
+        self._deliver(self.name, deliveries, pipe=pipe)
 
     def _others(self, launches: list[tuple[bytes, float]]) -> list[float]:
         """When the other replicas of the model last started a batch."""
@@ -240,34 +242,31 @@ class ReplicaBroker:
     def _idle(self, pipe: redis.client.Pipeline, model: str, until_ms: float, refresh_only: bool = False) -> None:
         """Tell peers this replica is idle; a heartbeat only refreshes an entry (XX), so
         one racing a batch start cannot put back what `settle` took out."""
-        pipe.zadd(p.idle_key(model), {self.name: until_ms}, xx=refresh_only)
+        pipe.zadd(keys.idle_key(model), {self.name: until_ms}, xx=refresh_only)
 
     def leave_idle(self, model: str) -> None:
         """Out of the idle and launch lists: peers must not count on this replica."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(p.idle_key(model), self.name)
-        pipe.zrem(p.launch_key(model), self.name)
+        pipe.zrem(keys.idle_key(model), self.name)
+        pipe.zrem(keys.launch_key(model), self.name)
         pipe.execute()
 
     # -- streaming ------------------------------------------------------------------------
 
     def stream(self, chunks: list[tuple[p.Job, p.Chunk]]) -> None:
         """One script call sends every chunk of a step to the gateways that own them."""
-        args: list[EncodableT] = []
-        for job, chunk in chunks:
-            args += [job.key, job.id, chunk.model_dump_json()]
-        self._stream(args=args)
+        self._stream([scripts.StreamChunk(job.key, job.id, chunk.model_dump_json()) for job, chunk in chunks])
 
     # -- registry, moves ---------------------------------------------------------------
 
     def publish(self, fields: Fields, ttl_s: float, idle: tuple[str, float, bool] | None = None) -> None:
         """The registry entry (with `idle`, (model, until ms, refresh only): the idle list)."""
-        key = p.replica_key(self.name)
+        key = keys.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)
         # redis-py types the mapping's keys invariantly as FieldT, which refuses a dict[str, ...].
         pipe.hset(key, mapping=cast("dict[FieldT, EncodableT]", fields))
         pipe.pexpire(key, int(ttl_s * 1000))
-        pipe.sadd(p.REPLICAS_KEY, self.name)
+        pipe.sadd(keys.REPLICAS_KEY, self.name)
         if idle is not None:
             self._idle(pipe, idle[0], idle[1], refresh_only=idle[2])
         pipe.execute()
@@ -275,6 +274,6 @@ class ReplicaBroker:
     def record_move(self, old: str, new: str) -> None:
         """Out of the old model's idle list; the new model kept across a restart (control/cli/main.py)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(p.idle_key(old), self.name)
-        pipe.set(p.assignment_key(self.name), new)
+        pipe.zrem(keys.idle_key(old), self.name)
+        pipe.set(keys.assignment_key(self.name), new)
         pipe.execute()

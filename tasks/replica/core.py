@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from control.broker.registry import ENGINE_PREFIX
+from control.broker import records
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.lifecycle import ReplicaState, transition
@@ -179,33 +179,33 @@ class ReplicaCore:
         """What the replica publishes in the registry (and answers over remote control)."""
         with self.cond:
             buffered = len(self.collector)
-        return {
-            "model": self.model,
-            "state": self.state.label,
-            "held": buffered + self.num_running(),
-            "moving_to": self.moving_to,
-            "backend": self.engine.name,
-            "max_batch": self.engine.max_batch,
-            "batch_ms": self.engine.expected_batch_ms(),
-            "buffered": buffered,
-            "busy": int(self.busy),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "seen_ms": self.clock.now_ms(),
-            "why_not_ready": self.why_not_ready,
-            "clock_offset_ms": round(getattr(self.clock, "offset_ms", 0.0), 1),
-            **self.stats.as_fields(),
-            **self.perf.as_fields(monotonic_ms()),
-            **self._engine_fields(),
-        }
+        return records.pack_replica_entry(
+            model=self.model,
+            state=self.state.label,
+            held=buffered + self.num_running(),
+            moving_to=self.moving_to,
+            backend=self.engine.name,
+            max_batch=self.engine.max_batch,
+            batch_ms=self.engine.expected_batch_ms(),
+            buffered=buffered,
+            busy=self.busy,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            seen_ms=self.clock.now_ms(),
+            why_not_ready=self.why_not_ready,
+            clock_offset_ms=round(getattr(self.clock, "offset_ms", 0.0), 1),
+            counters={**self.stats.as_fields(), **self.perf.as_fields(monotonic_ms())},
+            engine=self._engine_fields(),
+        )
 
     def _engine_fields(self) -> dict[str, float]:
+        """The engine's own figures (the registry entry stores them under a prefix)."""
         stats = getattr(self.engine, "stats", None)
         if stats is None:
             return {}
-        fields = {f"{ENGINE_PREFIX}{k}": round(v, 3) for k, v in _numeric(stats()).items()}
+        fields = {k: round(v, 3) for k, v in _numeric(stats()).items()}
         if self.engine.continuous:  # the loop around the steps: take, step, deliver
-            fields[f"{ENGINE_PREFIX}total_loop_ms"], fields[f"{ENGINE_PREFIX}total_loops"] = self.loop_times
+            fields["total_loop_ms"], fields["total_loops"] = self.loop_times
         return fields
 
     def publish_state(self) -> None:

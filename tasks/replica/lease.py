@@ -1,4 +1,4 @@
-"""When a replica renews its lease, and for how long (control/broker/failover.py).
+"""When a replica renews its lease, and for how long (control/broker/scripts.py).
 
 Pure timing, monotonic ms: the broker calls that renew it are tasks/replica/broker.py's.
 """

@@ -147,7 +147,7 @@ class Loop:
         self._count_dropped(dropped)
         return batch
 
-    def _keep_claimed(self, batch: list[Pending], claimed: list[int]) -> list[Pending]:
+    def _keep_claimed(self, batch: list[Pending], claimed: list[bool]) -> list[Pending]:
         """A request another live replica claimed first (a re-queued copy) runs there."""
         r = self.replica
         if all(claimed):

@@ -40,17 +40,6 @@ def test_every_key_is_made_from_its_parts_under_the_one_prefix() -> None:
     assert keys.requeued_key("a1") == "{kb}:requeued:a1" and keys.DEATHS_KEY == "{kb}:deaths"
 
 
-def test_the_transitional_copies_in_protocol_name_the_same_keys() -> None:
-    for name in ("cancel_key", "lease_key", "held_key", "idle_key", "launch_key", "replica_key", "assignment_key"):
-        assert getattr(p, name)("x") == getattr(keys, name)("x"), name
-    for tier in ("paid", "free"):
-        for behind in (False, True):
-            assert p.queue_key("m", tier, behind) == keys.queue_key("m", tier, behind)
-            assert p.waiting_key("m", tier, behind) == keys.waiting_key("m", tier, behind)
-        assert p.tenant_waiting_key("m", tier, "t") == keys.tenant_waiting_key("m", tier, "t")
-    assert (p.REPLICAS_KEY, p.HOLDERS_KEY) == (keys.REPLICAS_KEY, keys.HOLDERS_KEY)
-
-
 def test_no_lua_string_in_the_tree_spells_the_key_prefix() -> None:
     lua = _lua_strings()
     assert lua, "the scan found no Lua at all: it looks in the wrong place"

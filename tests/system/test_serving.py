@@ -10,7 +10,8 @@ import openai
 import redis
 import requests
 
-from control.core.protocol import Job, waiting_key
+from control.broker.keys import waiting_key
+from control.core.protocol import Job
 from tasks.engine.fixed import simulated_text
 from tests.support.busy import busy_replicas, queued_behind_busy_replicas
 from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment
