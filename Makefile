@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ lint: install
 
 test: lint
 	$(BIN)/pytest -q
+
+# Under a minute on two cores: the pure-Python units, the broker's scripts and replicas
+# on a real Valkey, and the layers.
+test-fast: install
+	$(BIN)/pytest -q -x tests/unit tests/broker tests/tools/test_layers.py
 
 bench: install
 	$(BIN)/keybatch bench serving --json docs/bench/serving.json

@@ -24,6 +24,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Label, RichLog, Sparkline, Static
 
+from control.core.vocab import TIERS
 from control.fleet.operator import ActionResult, FleetSnapshot, Operator
 from control.policy.rebalance import Decision, RebalanceConfig, RebalancePolicy
 
@@ -98,7 +99,7 @@ class Dashboard(App[None]):
         self.poll_s = poll_s
         self.slo_ms = slo_ms
         self.snapshot: FleetSnapshot | None = None
-        self.history: dict[str, deque[float]] = {tier: deque(maxlen=HISTORY) for tier in ("paid", "free")}
+        self.history: dict[str, deque[float]] = {tier: deque(maxlen=HISTORY) for tier in TIERS}
         self.auto = False
         self.policy = RebalancePolicy(RebalanceConfig(), operator_clock())
         self.polls = 0
@@ -110,7 +111,7 @@ class Dashboard(App[None]):
         yield Static("", id="banner")
         yield DataTable(id="queues", cursor_type="none", zebra_stripes=True)
         with Horizontal(id="spark-row"):
-            for tier in ("paid", "free"):
+            for tier in TIERS:
                 with Vertical(classes="spark-box"):
                     yield Label(f"{tier} p99", id=f"spark-label-{tier}")
                     yield Sparkline([], id=f"spark-{tier}")

@@ -35,8 +35,8 @@ from typing import Any
 
 import redis
 
+from control.bench.harness import FREE_KEY, MODEL, PAID_KEY, Deployment, child_env
 from control.broker import keys, scripts
-from control.chaos.run import FREE_KEY, MODEL, PAID_KEY, Deployment, _child_env
 from control.fleet.valkey import EmbeddedBroker
 from control.load.loadgen import LoadSpec, generate
 
@@ -301,7 +301,7 @@ def _answered(records: list) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    deployment = Deployment("broker", args.workers, _child_env())
+    deployment = Deployment("broker", args.workers, child_env())
     deployment.start()
     try:
         generate(_spec(deployment.url, args, WARMUP_S, 7), show_progress=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from control.chaos.run import Deployment
+from control.bench.harness import Deployment
 from control.load.loadgen import LoadSpec, generate
 
 MODELS = ("kb-small", "kb-large")

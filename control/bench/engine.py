@@ -33,9 +33,9 @@ from rich.table import Table
 
 from control.core.protocol import Job
 from control.core.settings import Settings
+from control.core.vocab import Policy
 from tasks.engine.contract import Engine
 from tasks.lm.hf_engine import PREFIX_CACHE_TOKENS, HFEngine
-from tasks.policy.scheduler import Policy
 
 SOURCE_FILES = 4  # the served prompts are cut from this many synthetic code files
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from control.chaos.run import MODEL, Deployment
+from control.bench.harness import MODEL, Deployment
 from control.load.loadgen import LoadSpec, generate, summarize
 
 WARMUP_S = 3.0

@@ -1,6 +1,6 @@
 """`keybatch bench ops`: the operator's drain and move on a live deployment under load.
 
-Each action gets its own `keybatch up --backend fixed --policy static` (control/chaos/run.py's
+Each action gets its own `keybatch up --backend fixed --policy static` (control/bench/harness.py's
 `Deployment`), warmed, then open-loop Poisson load at a share of kb-small's capacity
 from a thread of this process (and, for a move, light load on kb-large). At `--action-at`
 this process calls `Operator.drain` or `Operator.move` (control/fleet/operator.py) as an operator
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import sys
 import threading
@@ -26,8 +25,8 @@ from typing import Any
 
 import uvloop
 
-from control.bench.report import figure_table, print_table
-from control.chaos.run import MODEL, OWN_SETTINGS, ChaosError, Deployment, without_logs
+from control.bench.harness import MODEL, Deployment, DeploymentError, child_env
+from control.bench.report import counts, figure_table, ms, outcome, print_table, settle_logs, timeline, without_logs
 from control.core.memory import collector_paused
 from control.core.settings import Settings
 from control.fleet.operator import Operator, OperatorError
@@ -110,20 +109,15 @@ def run_ops(settings: Settings, args: argparse.Namespace) -> int:
     for spec in specs:
         try:
             reports[spec.action] = measure(settings, spec)
-        except (OpsBenchError, ChaosError) as exc:
+        except (OpsBenchError, DeploymentError) as exc:
             print(f"keybatch bench ops: {exc}", file=sys.stderr)
             return 2
         _print(reports[spec.action])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({action: without_logs(r) for action, r in reports.items()}, fh, indent=2)
-    for report in reports.values():
-        if report["ok"]:
-            for path in report["logs"]:
-                os.unlink(path)
-        else:
-            print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
-    return 0 if all(r["ok"] for r in reports.values()) else 1
+    passed = [settle_logs(report) for report in reports.values()]
+    return 0 if all(passed) else 1
 
 
 def measure(settings: Settings, spec: OpsSpec) -> dict[str, Any]:
@@ -131,7 +125,7 @@ def measure(settings: Settings, spec: OpsSpec) -> dict[str, Any]:
     # `up` spreads its replicas round robin over --models: kb-small named `replicas` times,
     # then kb-large once, gives that many kb-small replicas and one kb-large.
     models = [MODEL] * spec.replicas + ([OTHER_MODEL] if spec.action == "move" else [])
-    deployment = Deployment(f"ops-{spec.action}", len(models), _child_env(), models=models)
+    deployment = Deployment(f"ops-{spec.action}", len(models), child_env(PAID_KEY, FREE_KEY), models=models)
     capacity = settings.max_batch * 1000.0 / settings.batch_ms  # one replica, requests a second
     try:
         deployment.start()
@@ -158,14 +152,6 @@ def measure(settings: Settings, spec: OpsSpec) -> dict[str, Any]:
         "deployment": stop,
         "logs": [deployment.log_path],
     }
-
-
-def _child_env() -> dict[str, str]:
-    """The caller's environment for `up` (PATH, the venv), without what points at another deployment."""
-    env = {k: v for k, v in os.environ.items() if k not in OWN_SETTINGS}
-    env["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
 
 
 def _operator(settings: Settings, deployment: Deployment) -> Operator:
@@ -292,15 +278,11 @@ def _command_line(spec: OpsSpec) -> str:
 # -- the report ------------------------------------------------------------------------
 
 
-def _outcome(r: Record) -> str:
-    return str(r.status) if r.status else (r.error or "no answer")
-
-
 def _group(records: list[Record]) -> dict[str, Any]:
     ok = [r.latency_ms for r in records if r.status == 200]
     return {
         "sent": len(records),
-        "statuses": dict(sorted(Counter(_outcome(r) for r in records).items())),
+        "statuses": dict(sorted(Counter(outcome(r) for r in records).items())),
         "p50_ms": percentile(ok, 50) if ok else None,
         "p99_ms": percentile(ok, 99) if ok else None,
     }
@@ -355,18 +337,10 @@ def analyze(spec: OpsSpec, by_model: dict[str, list[Record]], observed: Observed
         "failed": len(failed),
         "duplicated": crossed,
         "windows": by_window,
-        "timeline": {model: _timeline(rs, spec.duration_s) for model, rs in by_model.items()},
+        "timeline": {model: timeline(rs, spec.duration_s, _group) for model, rs in by_model.items()},
         "failed_reasons": reasons,
         "ok": not reasons,
     }
-
-
-def _timeline(records: list[Record], duration_s: float) -> list[dict[str, Any]]:
-    """Per second of sending: what the requests sent in it got."""
-    seconds: list[list[Record]] = [[] for _ in range(int(duration_s + 0.999))]
-    for r in records:
-        seconds[min(len(seconds) - 1, int(r.sent_s))].append(r)
-    return [{"second": i, **_group(rs)} for i, rs in enumerate(seconds)]
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -381,7 +355,7 @@ def _print(report: dict[str, Any]) -> None:
     answer = report["command_answer"]
     table.add_row(
         f"{report['operator_command']} {report['replica']} at {report['action_at_s']:.2f} s",
-        f"answered {_ms(report['command_answered_ms'])}: "
+        f"answered {ms(report['command_answered_ms'])}: "
         + (f"{answer.get('state')} ({answer.get('model')})" if answer.get("ok") else str(answer.get("message"))),
         "",
     )
@@ -390,15 +364,15 @@ def _print(report: dict[str, Any]) -> None:
     took = report["time_to_done_s"]
     table.add_row(f"time to {report['done']}", "never" if took is None else f"{took:.2f} s", "")
     table.add_row("sent", str(report["sent"]), "")
-    table.add_row("answered by status", _counts(report["answered"]), "")
-    table.add_row("lost (no HTTP answer)", f"{report['lost']} {_counts(report['lost_by_error'])}".strip(), "0")
+    table.add_row("answered by status", counts(report["answered"]), "")
+    table.add_row("lost (no HTTP answer)", f"{report['lost']} {counts(report['lost_by_error'])}".strip(), "0")
     table.add_row("failed (answered with an error)", str(report["failed"]), "0")
     table.add_row("answers with another request's id", str(report["duplicated"]), "0")
     for window, groups in report["windows"].items():
         for model, g in groups.items():
             table.add_row(
                 f"{window}: {model}",
-                f"{g['sent']} sent; {_counts(g['statuses'])}; p50 {_ms(g['p50_ms'])}, p99 {_ms(g['p99_ms'])}",
+                f"{g['sent']} sent; {counts(g['statuses'])}; p50 {ms(g['p50_ms'])}, p99 {ms(g['p99_ms'])}",
                 "",
             )
     d = report["deployment"]
@@ -407,11 +381,3 @@ def _print(report: dict[str, Any]) -> None:
     verdict = "PASS" if report["ok"] else "FAIL: " + "; ".join(report["failed_reasons"])
     table.add_row("verdict", verdict, "lost 0, failed 0")
     print_table(table)
-
-
-def _counts(counts: dict[str, Any]) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in counts.items())
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} ms"

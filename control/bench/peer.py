@@ -42,6 +42,7 @@ import orjson
 import uvloop
 
 from control.bench import serving as bench
+from control.bench.harness import hf_fleet
 from control.core.memory import collector_paused
 from control.core.procs import free_port
 from control.core.settings import Settings
@@ -108,7 +109,7 @@ class PeerServer:
 
 
 @contextmanager
-def _peer_process(server: PeerServer, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def peer_process(server: PeerServer, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             server.command(),
@@ -121,10 +122,10 @@ def _peer_process(server: PeerServer, log_path: Path) -> Iterator[subprocess.Pop
     try:
         yield proc
     finally:
-        _stop_group(proc)
+        stop_group(proc)
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """SIGTERM to the peer's group, then SIGKILL to whatever of it is left."""
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -135,7 +136,7 @@ def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     proc.wait()
 
 
-def _wait_ready(server: PeerServer, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
+def wait_ready(server: PeerServer, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
     """Seconds until GET /health answers 200 (the pinned model is loaded before it listens)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -149,7 +150,7 @@ def _wait_ready(server: PeerServer, proc: subprocess.Popen[bytes], timeout_s: fl
     raise PeerFailed(f"/health did not answer 200 within {timeout_s:.0f} s")
 
 
-def _first_answer(url: str, body: dict, timeout_s: float) -> float:
+def first_answer(url: str, body: dict, timeout_s: float) -> float:
     """Seconds the first completion takes (continuous batching allocates its cache then)."""
     request = urllib.request.Request(
         f"{url}/v1/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
@@ -185,7 +186,7 @@ class Target:
     burst_deadline_ms: float | None  # the burst's and the probe's X-Deadline-Ms (the peer knows none)
     probe_timeout_s: float
     burst_timeout_s: float
-    spec_fields: dict[str, Any]  # how its ladder's load differs from bench._run's (model, key, deadline)
+    spec_fields: dict[str, Any]  # how its ladder's load differs from bench.run_load's (model, key, deadline)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -385,7 +386,7 @@ def _measure(target: Target, args: argparse.Namespace, bodies: list[dict]) -> di
     def settle() -> dict:
         return _settle(target, body, threshold, args.settle_s)
 
-    ladder = bench._ladder(target.url, args, bodies, target.name, settle=settle, **target.spec_fields)
+    ladder = bench.ladder(target.url, args, bodies, target.name, settle=settle, **target.spec_fields)
     capacity = ladder["sustainable_rps"]
     rps = args.burst_factor * (capacity or args.start_rate)
     before = settle()
@@ -447,10 +448,10 @@ def _measure_peer(folder: str, threads: int, args: argparse.Namespace, bodies: l
 
 def _serve_and_measure(server: PeerServer, log_path: Path, args: argparse.Namespace, bodies: list[dict]) -> dict:
     """Start, wait until it answers, warm it, measure; the process group is gone on return."""
-    with _peer_process(server, log_path) as proc:
-        started = {"ready_s": round(_wait_ready(server, proc, args.start_timeout_s), 1)}
+    with peer_process(server, log_path) as proc:
+        started = {"ready_s": round(wait_ready(server, proc, args.start_timeout_s), 1)}
         warm = {**bodies[0], "model": server.folder, "max_tokens": 4}
-        started["first_answer_s"] = round(_first_answer(server.url, warm, args.start_timeout_s), 1)
+        started["first_answer_s"] = round(first_answer(server.url, warm, args.start_timeout_s), 1)
         generate(LoadSpec(server.url, 2.0, 3.0, server.folder, bodies=bodies, timeout_s=60), show_progress=False)
         result = _measure(_peer_target(server, args), args, bodies)
         if proc.poll() is not None:  # it died under the load: the figures after that are of a dead server
@@ -461,7 +462,7 @@ def _serve_and_measure(server: PeerServer, log_path: Path, args: argparse.Namesp
 def _measure_keybatch(folder: str, args: argparse.Namespace, bodies: list[dict]) -> dict:
     models = json.dumps({args.model: folder})  # the very folder the peer served, under the model's name
     print(f"\n== keybatch: {args.workers} replica(s), continuous policy, {folder}", flush=True)
-    with bench._hf_deployment(args.workers, "continuous", args.model, models=models) as url:
+    with hf_fleet(args.workers, "continuous", args.model, bench.PAID_KEY, bench.FREE_KEY, models=models) as url:
         return {"mode": "continuous policy", **_measure(_keybatch_target(url, args), args, bodies)}
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from control.chaos.run import Deployment
+from control.bench.harness import Deployment, child_env
 from control.core.settings import Settings
 from control.fleet.operator import Operator
 from control.load.loadgen import LoadSpec, Record, generate, percentile
@@ -84,11 +83,7 @@ def _stretch(records: list[tuple[float, Record]], from_s: float) -> dict[str, An
 
 
 def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "KEYBATCH_MAX_BATCH": str(args.max_batch),
-        "KEYBATCH_API_KEYS": json.dumps({PAID_KEY: "paid", FREE_KEY: "free"}),
-    }
+    env = child_env(PAID_KEY, FREE_KEY, max_batch=str(args.max_batch))
     deployment = Deployment(f"rebalance-{mode}", 4, env, models=[SMALL, LARGE])
     deployment.start()
     stop = threading.Event()

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from control.core.procs import free_port
+from control.bench.harness import fixed_fleet, hf_fleet
 from control.core.settings import Settings
-from control.fleet.up import Plan, System
 from control.load.loadgen import LoadSpec, generate, print_summary, summarize
 
 PAID_KEY, FREE_KEY = "bench-paid", "bench-free"
@@ -28,7 +25,7 @@ def run_serving(settings: Settings, args: argparse.Namespace) -> int:
     results: dict[str, object] = {}
     for name in [s for s in args.scenarios.split(",") if s]:
         batch = args.overload_batch if name == "overload" else None
-        with _deployment(args.workers, batch) as (url, model, s):
+        with fixed_fleet(args.workers, PAID_KEY, FREE_KEY, batch) as (url, model, s):
             capacity = args.workers * s.max_batch * 1000.0 / s.batch_ms
             print(
                 f"\n== {name}: {args.workers} replicas x {s.max_batch} per {s.batch_ms:.0f} ms (fixed backend, "
@@ -40,29 +37,6 @@ def run_serving(settings: Settings, args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
     return 0
-
-
-@contextmanager
-def _deployment(workers: int, max_batch: int | None) -> Iterator[tuple[str, str, Settings]]:
-    os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
-    if max_batch is not None:
-        os.environ["KEYBATCH_MAX_BATCH"] = str(max_batch)
-    try:
-        settings = Settings()
-        model = next(iter(settings.models))
-        system = System(settings, Plan(workers=workers, models=[model], port=free_port(), quiet=True))
-        system.start()
-        try:
-            _warm(system.url, model)
-            yield system.url, model, settings.model_copy(update={"redis_url": system.redis_url})
-        finally:
-            system.stop()
-    finally:
-        os.environ.pop("KEYBATCH_MAX_BATCH", None)
-
-
-def _warm(url: str, model: str) -> None:
-    generate(LoadSpec(url, 50, 2.0, model, free_key=FREE_KEY), show_progress=False)
 
 
 def _low(url: str, model: str, capacity: float, s: Settings, args: argparse.Namespace) -> dict:
@@ -150,16 +124,16 @@ def run_policies(settings: Settings, args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"model": args.model, "workers": args.workers, "p99_target_ms": args.p99_ms}
     policies = [p for p in args.policies.split(",") if p]
     for policy in policies:
-        with _hf_deployment(args.workers, policy, args.model) as url:
-            results[policy] = _ladder(url, args, bodies, f"{policy}")
+        with hf_fleet(args.workers, policy, args.model, PAID_KEY, FREE_KEY) as url:
+            results[policy] = ladder(url, args, bodies, f"{policy}")
     common = args.common_rate or min(results[p]["sustainable_rps"] or args.start_rate for p in policies)
     results["common_rps"] = common
     for policy in policies:
-        with _hf_deployment(args.workers, policy, args.model) as url:
-            summary = _run(url, args, bodies, common, f"{policy} at the common rate {common:.2f} req/s")
+        with hf_fleet(args.workers, policy, args.model, PAID_KEY, FREE_KEY) as url:
+            summary = run_load(url, args, bodies, common, f"{policy} at the common rate {common:.2f} req/s")
             results[f"{policy}_at_common"] = summary["all"]
             if policy == "continuous":
-                streamed = _run(url, args, bodies, common, f"{policy}, streaming, {common:.2f} req/s", stream=True)
+                streamed = run_load(url, args, bodies, common, f"{policy}, streaming, {common:.2f} req/s", stream=True)
                 results["continuous_stream_at_common"] = streamed["all"]
     if args.prefix:
         results["prefix"] = _prefix(args)
@@ -170,30 +144,7 @@ def run_policies(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-@contextmanager
-def _hf_deployment(workers: int, policy: str, model: str, **env: str) -> Iterator[str]:
-    saved = dict(os.environ)
-    os.environ["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
-    os.environ.update({f"KEYBATCH_{k.upper()}": v for k, v in env.items()})
-    try:
-        settings = Settings()
-        plan = Plan(workers=workers, backend="hf", policy=policy, models=[model], port=free_port(), quiet=True)
-        system = System(settings, plan)
-        system.start()
-        try:
-            spec = LoadSpec(system.url, 2.0, 3.0, model, free_key=FREE_KEY, deadline_ms=10_000)
-            generate(spec, show_progress=False)  # first steps run slow (allocation, first kernels)
-            if system.redis_url:  # what this process reads of the fleet meanwhile (`Settings().state_url`)
-                os.environ["KEYBATCH_REDIS_URL"] = system.redis_url
-            yield system.url
-        finally:
-            system.stop()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _run(
+def run_load(
     url: str,
     args: argparse.Namespace,
     bodies: list[dict],
@@ -219,7 +170,7 @@ def _run(
     return summary
 
 
-def _ladder(
+def ladder(
     url: str,
     args: argparse.Namespace,
     bodies: list[dict],
@@ -235,7 +186,7 @@ def _ladder(
     while misses < 2 and rps <= args.max_rate:
         settled = settle() if settle is not None and points else {}
         title = f"{policy}: {rps:.2f} req/s for {args.duration:.0f} s"
-        a = _run(url, args, bodies, rps, title, **spec_fields)["all"]
+        a = run_load(url, args, bodies, rps, title, **spec_fields)["all"]
         ok = a["ok_share"] >= 0.99 and a["p99_ms"] <= args.p99_ms
         points.append({"rps": rps, "ok": ok, **a, **settled})
         best, misses = (rps, 0) if ok else (best, misses + 1)
@@ -251,7 +202,7 @@ def _prefix(args: argparse.Namespace) -> dict:
     out = {}
     for label, tokens in (("cache", None), ("no_cache", "0")):
         env = {} if tokens is None else {"prefix_cache_tokens": tokens}
-        with _hf_deployment(args.workers, "continuous", args.model, **env) as url:
+        with hf_fleet(args.workers, "continuous", args.model, PAID_KEY, FREE_KEY, **env) as url:
             spec = LoadSpec(
                 url, args.prefix_rate, args.duration, args.model, free_key=FREE_KEY, deadline_ms=args.deadline_ms
             )

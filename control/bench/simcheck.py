@@ -38,7 +38,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from control.bench.serving import FREE_KEY, _deployment, _hf_deployment
+from control.bench.harness import fixed_fleet, hf_fleet
+from control.bench.serving import FREE_KEY, PAID_KEY
 from control.core.settings import Settings
 from control.fleet.operator import Operator
 from control.load.loadgen import LoadSpec, Record, generate, summarize
@@ -137,7 +138,7 @@ def _hf(args: argparse.Namespace) -> dict[str, Any]:
     curve = _engine_curve(args.hf_curve)
     bodies = workloads.mixed(400, seed=args.seed)
     deadline_ms = 5000.0
-    with _hf_deployment(1, "continuous", "kb-small") as url:
+    with hf_fleet(1, "continuous", "kb-small", PAID_KEY, FREE_KEY) as url:
         before = _engine_times()
         spec = LoadSpec(url, args.hf_rps, args.duration, "kb-small", free_key=FREE_KEY, deadline_ms=deadline_ms,
                         bodies=bodies, seed=args.seed)  # fmt: skip
@@ -284,7 +285,7 @@ def run_simcheck(args: argparse.Namespace) -> int:
 def _fixed(args: argparse.Namespace, loads: list[float]) -> list[dict[str, Any]]:
     """The fixed backend at each load, live then simulated."""
     rows: list[dict[str, Any]] = []
-    with _deployment(args.workers, None) as (url, model, s):
+    with fixed_fleet(args.workers, PAID_KEY, FREE_KEY) as (url, model, s):
         capacity = args.workers * s.max_batch * 1000.0 / s.batch_ms
         for load in loads:
             rps = load * capacity

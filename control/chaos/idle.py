@@ -26,14 +26,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from control.bench.report import figure_table, print_table
+from control.bench.report import counts, figure_table, print_table
 
 _DIED = re.compile(r"keybatch: replica (\S+) \(pid (\d+)\) died \(([^)]*)\)")
 _STALLED = "restarting"  # the replica's own last words when its watchdog fires (tasks/replica/replica.py)
 
 
 class Target(Protocol):
-    """The deployment under test, as control/chaos/run.py's `Deployment` offers it."""
+    """The deployment under test, as control/bench/harness.py's `Deployment` offers it."""
 
     url: str
     port: int
@@ -270,8 +270,8 @@ def print_idle(report: dict) -> None:
         f"({report.get('backend', '?')}, {report.get('policy', '?')}), {spec['hangups']} hang-ups and "
         f"{spec['cancels']} cancels, one every {spec['every_s']} s, {spec['hangup_ms']:.0f} ms after sending"
     )
-    table.add_row("hang-ups", _counts(report["hangups"]), "")
-    table.add_row("cancels: the request's answer (the cancel's)", _counts(report["cancels"]), "")
+    table.add_row("hang-ups", counts(report["hangups"]), "")
+    table.add_row("cancels: the request's answer (the cancel's)", counts(report["cancels"]), "")
     exits = report["replica_exits"]
     how = ", ".join(f"{e['replica']} {e['how']}" for e in exits)
     table.add_row("replica exits", f"{len(exits)} {how}".strip(), "0")
@@ -279,7 +279,7 @@ def print_idle(report: dict) -> None:
     table.add_row("new replica processes", str(report["replica_pids_new"]), "0")
     r = report["readiness"]
     table.add_row(
-        "/readyz samples: ready share", f"{r['ready_share']} of {r['samples']} ({_counts(r['by_status'])})", "1.0"
+        "/readyz samples: ready share", f"{r['ready_share']} of {r['samples']} ({counts(r['by_status'])})", "1.0"
     )
     table.add_row("not ready: stretches, longest", f"{r['not_ready_stretches']}, {r['longest_not_ready_s']:.1f} s", "0")
     nexts = ", ".join(f"{a['status']} in {a['ms']:.0f} ms" for a in report["next_requests"])
@@ -289,7 +289,3 @@ def print_idle(report: dict) -> None:
         table.add_row(f"stop ({d['name']})", f"exit {d['exit_code']} in {d['stop_s']:.1f} s", "")
     table.add_row("verdict", verdict, "")
     print_table(table)
-
-
-def _counts(counts: dict) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in counts.items()) or "-"

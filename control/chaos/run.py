@@ -14,40 +14,33 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import resource
 import secrets
-import select
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from urllib.parse import urlsplit
 
 import psutil
 import redis
 import uvloop
 
-from control.bench.report import figure_table, print_table
+from control.bench.harness import MODEL, Deployment, DeploymentError, child_env, describe, send_signal, warm
+from control.bench.report import counts, figure_table, ms, outcome, print_table, settle_logs, timeline, without_logs
 from control.broker import keys
 from control.chaos.idle import IdleSpec, print_idle, run_idle
 from control.core.memory import collector_paused
-from control.core.procs import free_port
 from control.core.settings import Settings
-from control.fleet.credentials import credentials_path, read_operator_url
+from control.core.vocab import PAID, Backend, Policy
 from control.load.loadgen import LoadSpec, Record, percentile, run_spec
 
 log = logging.getLogger(__name__)
 
-MODEL = "kb-small"
 PAID_KEY, FREE_KEY = "chaos-paid", "chaos-free"
 PAUSE_S = 5.0  # replica-hang, broker-stall: how long the process stays stopped
 REPEAT_GAP_S = 4.0  # --repeat: from the end of one injection to the next
@@ -62,14 +55,9 @@ PROBE_EVERY_S, PROBE_BUDGET_MS = 0.25, 1000.0  # idle-connections: a paid reques
 WINDOW_S = 1.0  # recovery is judged on windows of this length after the fault
 P99_SLACK = 1.10  # ...whose p99 is within 10% of the pre-fault p99
 FAST_503_MS = 100.0
-READY_TIMEOUT_S = 90.0
-STOP_TIMEOUT_S = 30.0
-# What the command sets for its deployments; a value inherited from the caller's
-# environment would point them at someone else's broker or port.
-OWN_SETTINGS = ("KEYBATCH_REDIS_URL", "KEYBATCH_BROKER_URL", "KEYBATCH_PORT", "KEYBATCH_PEERS", "KEYBATCH_REGION")
 
 
-class ChaosError(Exception):
+class ChaosError(DeploymentError):
     """The run could not be set up (the deployment did not start or warm)."""
 
 
@@ -87,8 +75,8 @@ class ChaosSpec:
     client_retries: int = 2
     spike: float = 3.0
     spike_s: float = 30.0
-    backend: str = "fixed"
-    policy: str = "static"
+    backend: Backend = "fixed"
+    policy: Policy = "static"
     idle: IdleSpec | None = None  # client-hangup --idle: faults one at a time, no load
 
     @classmethod
@@ -130,236 +118,14 @@ class ChaosSpec:
         return None
 
 
-# -- the deployment under test ----------------------------------------------------
-
-
-class Deployment:
-    """One `keybatch up` subprocess; its processes are found by role among its
-    descendants each time they are needed (a supervisor may have replaced them)."""
-
-    def __init__(
-        self,
-        name: str,
-        replicas: int,
-        env: dict[str, str],
-        cwd: str | None = None,
-        models: Sequence[str] = (MODEL,),
-        backend: str = "fixed",
-        policy: str = "static",
-    ) -> None:
-        self.name = name
-        self.backend, self.policy = backend, policy
-        self.cwd = cwd  # the checkout whose `control` runs (default: this one)
-        self.replicas_wanted = replicas
-        self.models = list(models)  # `up --models`: its replicas go round robin over this list
-        self.env = env
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[str] | None = None
-        self.seen: dict[int, psutil.Process] = {}  # every process of it ever found, for the final sweep
-        fd, self.log_path = tempfile.mkstemp(prefix=f"keybatch-chaos-{name}-", suffix=".log")
-        os.close(fd)
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "control", "up", "--backend", self.backend, "--policy", self.policy]
-        cmd += ["--workers", str(self.replicas_wanted)]
-        cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
-        with open(self.log_path, "ab") as logfile:
-            self.proc = subprocess.Popen(
-                cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=logfile, text=True
-            )
-        self._wait_ready()
-        self.remember()
-
-    def _wait_ready(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while (remaining := deadline - time.monotonic()) > 0:
-            readable, _, _ = select.select([self.proc.stdout], [], [], remaining)
-            if not readable:
-                break
-            line = self.proc.stdout.readline()
-            if not line:
-                raise ChaosError(f"`keybatch up` ({self.name}) exited during start; its log: {self.log_path}")
-            if line.startswith("keybatch ready:"):
-                return
-        raise ChaosError(f"`keybatch up` ({self.name}) not ready in {READY_TIMEOUT_S:.0f} s; log: {self.log_path}")
-
-    def descendants(self) -> list[psutil.Process]:
-        if self.proc is None:
-            return []
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            return []
-
-    def remember(self) -> None:
-        for proc in self.descendants():
-            self.seen.setdefault(proc.pid, proc)
-        broker = self.broker()
-        if broker is not None:
-            self.seen.setdefault(broker.pid, broker)
-
-    def replicas(self) -> list[tuple[str, psutil.Process]]:
-        """(replica name, process), sorted by name so a seed picks the same victim."""
-        found = [(_arg(proc, "--name"), proc) for proc in self.descendants() if _role(proc) == "replica"]
-        return sorted(((name or str(proc.pid), proc) for name, proc in found), key=lambda pair: pair[0])
-
-    def replica_pids(self) -> list[int]:
-        return [proc.pid for _name, proc in self.replicas()]
-
-    def gateway_workers(self) -> list[psutil.Process]:
-        """The gateway's worker processes: gateway processes whose parent is one too."""
-        gateways = [proc for proc in self.descendants() if _role(proc) == "gateway"]
-        pids = {proc.pid for proc in gateways}
-        return sorted((proc for proc in gateways if _ppid(proc) in pids), key=lambda proc: proc.pid)
-
-    def redis_url(self) -> str | None:
-        """The operator's broker URL that `up` left for the tools; else (a broker `up` was
-        given) the one it gave its children. Neither is known before they start."""
-        secrets_dir = self.env.get("KEYBATCH_SECRETS_DIR")
-        where = Path(secrets_dir).expanduser() if secrets_dir else Settings().secrets_dir
-        url = read_operator_url(credentials_path(where, self.port))
-        if url is not None:
-            return url
-        for proc in self.descendants():
-            try:
-                url = proc.environ().get("KEYBATCH_REDIS_URL")
-            except psutil.Error:
-                continue
-            if url:
-                return url
-        return None
-
-    def broker(self) -> psutil.Process | None:
-        """A valkey-server child of `up`, else the daemon listening on the children's broker port."""
-        for proc in self.descendants():
-            if _role(proc) == "broker":
-                return proc
-        url = self.redis_url()
-        port = urlsplit(url).port if url else None
-        if port is None:
-            return None
-        for proc in psutil.process_iter(["name", "cmdline"]):
-            if _role(proc) == "broker" and _serves_port(proc, port):
-                return proc
-        return None
-
-    def stop(self) -> dict[str, object]:
-        """SIGTERM to `up` (it stops its children); then whatever of ours outlived it is killed."""
-        self.remember()
-        for proc in self.seen.values():  # a stopped process cannot hear SIGTERM
-            _send(proc, signal.SIGCONT)
-        code, started = None, time.monotonic()
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                code = self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                code = self.proc.wait()
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-        left = [proc for proc in self.seen.values() if _alive(proc)]
-        for proc in left:
-            _send(proc, signal.SIGKILL)
-        psutil.wait_procs(left, timeout=5)
-        return {
-            "name": self.name,
-            "exit_code": code,
-            "stop_s": round(time.monotonic() - started, 2),
-            "left_running": [_describe(proc, _role(proc)) for proc in left],
-        }
-
-
-def _role(proc: psutil.Process) -> str:
-    try:
-        name = proc.name()
-        cmdline = " ".join(proc.cmdline())
-    except psutil.Error:
-        return ""
-    if "valkey-server" in name or "valkey-server" in cmdline:
-        return "broker"
-    if "control worker" in cmdline:
-        return "replica"
-    if "control api" in cmdline or "keybatch-api" in cmdline:  # the latter: gunicorn's process titles
-        return "gateway"
-    return ""
-
-
-def _arg(proc: psutil.Process, flag: str) -> str | None:
-    try:
-        cmdline = proc.cmdline()
-    except psutil.Error:
-        return None
-    return cmdline[cmdline.index(flag) + 1] if flag in cmdline[:-1] else None
-
-
-def _ppid(proc: psutil.Process) -> int:
-    try:
-        return proc.ppid()
-    except psutil.Error:
-        return 0
-
-
-def _serves_port(proc: psutil.Process, port: int) -> bool:
-    try:
-        if " ".join(proc.cmdline()).endswith(f":{port}"):  # valkey titles itself "valkey-server HOST:PORT"
-            return True
-        return any(c.laddr and c.laddr.port == port for c in proc.net_connections("tcp"))
-    except psutil.Error:
-        return False
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _send(proc: psutil.Process, sig: int) -> bool:
-    try:
-        proc.send_signal(sig)  # psutil refuses a pid that now belongs to another process
-    except psutil.Error:
-        return False
-    return True
-
-
-def _describe(proc: psutil.Process, label: str = "") -> str:
-    return f"{label} (pid {proc.pid})" if label else f"pid {proc.pid}"
-
-
-def _child_env(**settings: str) -> dict[str, str]:
-    """The caller's environment for `up` (PATH, the venv), with this run's settings."""
-    env = {k: v for k, v in os.environ.items() if k not in OWN_SETTINGS}
-    env["KEYBATCH_API_KEYS"] = json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})
-    env.update({f"KEYBATCH_{k.upper()}": v for k, v in settings.items()})
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
 def _plan(spec: ChaosSpec) -> list[Deployment]:
     """The deployments, the one under load first."""
     if spec.scenario != "region-loss":
-        return [Deployment("main", spec.replicas, _child_env(), backend=spec.backend, policy=spec.policy)]
-    b = Deployment("b", spec.replicas, _child_env(region="b"))
-    a = Deployment("a", spec.replicas, _child_env(region="a", peers=json.dumps([b.url])))
+        env = child_env(PAID_KEY, FREE_KEY)
+        return [Deployment("main", spec.replicas, env, backend=spec.backend, policy=spec.policy)]
+    b = Deployment("b", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="b"))
+    a = Deployment("a", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="a", peers=json.dumps([b.url])))
     return [a, b]
-
-
-def _warm(url: str, replicas: int) -> None:
-    """Readiness is not warmth: the first batch of a replica runs slow; one request per replica."""
-    body = json.dumps({"model": MODEL, "prompt": "def warm():\n    ", "max_tokens": 4}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {FREE_KEY}"}
-    for _ in range(replicas):
-        req = urllib.request.Request(f"{url}/v1/completions", body, headers)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                resp.read()
-        except (urllib.error.URLError, OSError) as exc:
-            raise ChaosError(f"warm-up request to {url} failed: {exc}") from None
 
 
 # The gateway's counters the report shows as deltas over the load (summed over labels).
@@ -440,8 +206,8 @@ async def _signal_one(run: Run, what: str, found: tuple[str, psutil.Process] | N
     if found is None:
         return Injection(run.now_s(), f"{signal.Signals(sig).name} {what}", note=f"no {what} found")
     label, proc = found
-    _send(proc, sig)
-    return Injection(run.now_s(), f"{signal.Signals(sig).name} {what}", [_describe(proc, label)])
+    send_signal(proc, sig)
+    return Injection(run.now_s(), f"{signal.Signals(sig).name} {what}", [describe(proc, label)])
 
 
 async def _pause(run: Run, what: str, found: tuple[str, psutil.Process] | None) -> Injection:
@@ -452,7 +218,7 @@ async def _pause(run: Run, what: str, found: tuple[str, psutil.Process] | None) 
         try:
             await asyncio.sleep(PAUSE_S)
         finally:
-            _send(found[1], signal.SIGCONT)
+            send_signal(found[1], signal.SIGCONT)
             injection.ended_s = run.now_s()
     return injection
 
@@ -547,8 +313,8 @@ async def _region_loss(run: Run) -> Injection:
 
     found = await asyncio.to_thread(victims)
     for _label, proc in found:
-        _send(proc, signal.SIGKILL)
-    targets = [_describe(proc, label) for label, proc in found]
+        send_signal(proc, signal.SIGKILL)
+    targets = [describe(proc, label) for label, proc in found]
     return Injection(run.now_s(), "SIGKILL region A's broker and replicas", targets)
 
 
@@ -723,7 +489,7 @@ async def _hold_idle(run: Run, count: int, until_s: float) -> dict[str, object]:
 
     await asyncio.gather(sample(), probe(), *(one(k) for k in range(count)))
     settled = samples[len(samples) // 4 :] or [0]  # after the first opens
-    ms = [t for _status, t in probes]
+    waits_ms = [t for _status, t in probes]
     return {
         "connections": count,
         "addresses": IDLE_ADDRESSES,
@@ -735,9 +501,9 @@ async def _hold_idle(run: Run, count: int, until_s: float) -> dict[str, object]:
             "sent": len(probes),
             "budget_ms": PROBE_BUDGET_MS,
             "statuses": dict(Counter(status for status, _t in probes)),
-            "p50_ms": percentile(ms, 50) if ms else None,
-            "p99_ms": percentile(ms, 99) if ms else None,
-            "max_ms": max(ms, default=None),
+            "p50_ms": percentile(waits_ms, 50) if waits_ms else None,
+            "p99_ms": percentile(waits_ms, 99) if waits_ms else None,
+            "max_ms": max(waits_ms, default=None),
             "over_budget": sum(status != "200" or t > PROBE_BUDGET_MS for status, t in probes),
         },
     }
@@ -796,7 +562,7 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
         before = [_counters(d.url) for d in deployments]
         records, run = _drive(spec, deployments, capacity, settings)
         after = [_counters(d.url) for d in deployments]
-    except ChaosError as exc:
+    except DeploymentError as exc:
         print(f"keybatch chaos: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -819,7 +585,7 @@ def _run_idle(deployment: Deployment, spec: ChaosSpec, idle: IdleSpec, json_path
     try:
         _start([deployment], spec.replicas)
         report = run_idle(deployment, idle)
-    except ChaosError as exc:
+    except DeploymentError as exc:
         print(f"keybatch chaos: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -834,7 +600,7 @@ def _start(deployments: list[Deployment], replicas: int) -> None:
     for d in deployments:
         started = time.monotonic()
         d.start()
-        _warm(d.url, replicas)
+        warm(d.url, replicas, FREE_KEY)
         log.info("deployment %s ready and warm in %.1f s: %s", d.name, time.monotonic() - started, d.url)
 
 
@@ -849,17 +615,7 @@ def _save(report: dict, json_path: str | None) -> int:
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(without_logs(report), fh, indent=2)
-    if not report["ok"]:
-        print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
-        return 1
-    for path in report["logs"]:
-        os.unlink(path)
-    return 0
-
-
-def without_logs(report: dict) -> dict:
-    """A report as it is written: the logs' paths are named on stderr, not stored."""
-    return {k: v for k, v in report.items() if k != "logs"}
+    return 0 if settle_logs(report) else 1
 
 
 def _drive(
@@ -901,21 +657,15 @@ def _drive(
 # -- the report ------------------------------------------------------------------------
 
 
-def _outcome(r: Record) -> str:
-    if r.hung_up:
-        return "hung up"
-    return str(r.status) if r.status else (r.error or "no answer")
-
-
 def _group(records: list[Record]) -> dict[str, object]:
     ok = [r.latency_ms for r in records if r.status == 200]
-    paid = [r.latency_ms for r in records if r.status == 200 and r.tier == "paid"]
+    paid = [r.latency_ms for r in records if r.status == 200 and r.tier == PAID]
     return {
         "sent": len(records),
-        "statuses": dict(sorted(Counter(_outcome(r) for r in records).items())),
+        "statuses": dict(sorted(Counter(outcome(r) for r in records).items())),
         "p99_ms": percentile(ok, 99) if ok else None,
         "paid_p99_ms": percentile(paid, 99) if paid else None,
-        "paid_statuses": dict(sorted(Counter(_outcome(r) for r in records if r.tier == "paid").items())),
+        "paid_statuses": dict(sorted(Counter(outcome(r) for r in records if r.tier == PAID).items())),
     }
 
 
@@ -991,11 +741,11 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         "status_503": {
             "count": len(s503),
             "p99_ms": percentile(s503, 99) if s503 else None,
-            f"over_{FAST_503_MS:.0f}ms": sum(ms > FAST_503_MS for ms in s503),
+            f"over_{FAST_503_MS:.0f}ms": sum(t > FAST_503_MS for t in s503),
         },
         "slowloris": run.slowloris,
         "idle_connections": run.idle,
-        "timeline": _timeline(records, spec.duration_s),
+        "timeline": timeline(records, spec.duration_s, _group),
         "failed": failed,
         "ok": not failed,
     }
@@ -1015,14 +765,6 @@ def _verdict(lost: int, crossed: int) -> list[str]:
     return reasons
 
 
-def _timeline(records: list[Record], duration_s: float) -> list[dict[str, object]]:
-    """Per second of sending: what the requests sent in it got."""
-    seconds: list[list[Record]] = [[] for _ in range(int(duration_s + 0.999))]
-    for r in records:
-        seconds[min(len(seconds) - 1, int(r.sent_s))].append(r)
-    return [{"second": i, **_group(rs)} for i, rs in enumerate(seconds)]
-
-
 def _print(report: dict) -> None:
     spec = report["spec"]
     table = figure_table(
@@ -1038,37 +780,37 @@ def _print(report: dict) -> None:
         requeue = "" if fault["requeue_ms"] is None else f"; re-queued after {fault['requeue_ms']:.0f} ms"
         table.add_row(f"fault at {fault['at_s']:.2f} s", f"{what}{requeue}; {recover}", "")
     table.add_row("sent", str(report["sent"]), "")
-    table.add_row("answered by status", _counts(report["answered"]), "")
-    table.add_row("lost (no HTTP answer)", f"{report['lost']} {_counts(report['lost_by_error'])}".strip(), "0")
+    table.add_row("answered by status", counts(report["answered"]), "")
+    table.add_row("lost (no HTTP answer)", f"{report['lost']} {counts(report['lost_by_error'])}".strip(), "0")
     wasted = "unknown" if report["wasted_results"] is None else f"{report['wasted_results']:.0f}"
     table.add_row("duplicated", f"{report['duplicated_answers']} answers; wasted results {wasted}", "0")
     if report["hung_up"]:
         table.add_row("hung up on purpose", str(report["hung_up"]), "")
     counters = report["server_counters"]
-    table.add_row("gateway counters, delta", "unknown" if counters is None else _counts(counters), "")
+    table.add_row("gateway counters, delta", "unknown" if counters is None else counts(counters), "")
     recover = "not recovered" if report["recover_s"] is None else f"{report['recover_s']:.1f} s"
     table.add_row("time to recover (from the fault's end)", recover, "")
-    table.add_row("pre-fault p99", _ms(report["pre_fault_p99_ms"]), "")
+    table.add_row("pre-fault p99", ms(report["pre_fault_p99_ms"]), "")
     for name in ("affected", "rest"):
         group = report[name]
         table.add_row(
-            f"{name}: sent, statuses, p99", f"{group['sent']}; {_counts(group['statuses'])}; {_ms(group['p99_ms'])}", ""
+            f"{name}: sent, statuses, p99", f"{group['sent']}; {counts(group['statuses'])}; {ms(group['p99_ms'])}", ""
         )
-        table.add_row("  paid: statuses, p99", f"{_counts(group['paid_statuses'])}; {_ms(group['paid_p99_ms'])}", "")
+        table.add_row("  paid: statuses, p99", f"{counts(group['paid_statuses'])}; {ms(group['paid_p99_ms'])}", "")
     s503 = report["status_503"]
-    table.add_row("503s: count, p99", f"{s503['count']}; {_ms(s503['p99_ms'])}", f"<= {FAST_503_MS:.0f} ms")
+    table.add_row("503s: count, p99", f"{s503['count']}; {ms(s503['p99_ms'])}", f"<= {FAST_503_MS:.0f} ms")
     if report["slowloris"]:
-        table.add_row("slowloris", _counts(report["slowloris"]), "")
+        table.add_row("slowloris", counts(report["slowloris"]), "")
     if report.get("idle_connections"):
         idle = report["idle_connections"]
         shown = {k: v for k, v in idle.items() if k not in ("outcomes", "paid_new_connection")}
-        table.add_row("idle connections", _counts(shown), "")
-        table.add_row("  closed by the server", _counts(idle["outcomes"]), "")
+        table.add_row("idle connections", counts(shown), "")
+        table.add_row("  closed by the server", counts(idle["outcomes"]), "")
         probes = idle["paid_new_connection"]
         table.add_row(
             "  paid, each on a new connection",
-            f"{probes['sent']}; {_counts(probes['statuses'])}; p50 {_ms(probes['p50_ms'])}, "
-            f"p99 {_ms(probes['p99_ms'])}, max {_ms(probes['max_ms'])}",
+            f"{probes['sent']}; {counts(probes['statuses'])}; p50 {ms(probes['p50_ms'])}, "
+            f"p99 {ms(probes['p99_ms'])}, max {ms(probes['max_ms'])}",
             f"200 within {probes['budget_ms']:.0f} ms",
         )
     for d in report["deployments"]:
@@ -1077,11 +819,3 @@ def _print(report: dict) -> None:
     verdict = "PASS" if report["ok"] else "FAIL: " + "; ".join(report["failed"])
     table.add_row("verdict", verdict, "lost 0, duplicated 0")
     print_table(table)
-
-
-def _counts(counts: dict) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in counts.items())
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} ms"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from control.core.vocab import ARRIVALS, BACKENDS, FREE, PAID, POLICIES
+
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2)
@@ -114,7 +116,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, required=True, help="seconds")
     p.add_argument(
         "--arrivals",
-        choices=["poisson", "bursts", "diurnal", "typing"],
+        choices=ARRIVALS,
         default="poisson",
         help="poisson: flat; bursts: 3x for 2 s of every 20 s; diurnal: a day compressed into the run, "
         "20%% at night up to the peak mid-run; typing: users in typing sessions, a request per "
@@ -122,7 +124,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--profile",
-        choices=["free", "mixed", "paid"],
+        choices=[FREE, "mixed", PAID],
         default="free",
         help="free: all free; mixed: 30%% paid; paid: all paid",
     )
@@ -189,8 +191,8 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
         default=2,
         help="a client whose connection breaks resends with the same X-Request-Id (joins the request)",
     )
-    p.add_argument("--backend", choices=["fixed", "hf"], default="fixed", help="the replicas' engine (`up --backend`)")
-    p.add_argument("--policy", choices=["static", "continuous"], default="static", help="`up --policy`")
+    p.add_argument("--backend", choices=BACKENDS, default="fixed", help="the replicas' engine (`up --backend`)")
+    p.add_argument("--policy", choices=POLICIES, default="static", help="`up --policy`")
     idle = p.add_argument_group("client-hangup --idle: one fault at a time on an idle deployment, no load")
     idle.add_argument("--idle", action="store_true", help="hang-ups and cancels alternately, nothing else running")
     idle.add_argument("--hangups", type=int, default=100, help="clients that hang up 100 ms after sending")

@@ -9,6 +9,7 @@ import socket
 import sys
 
 from control.core.settings import Settings
+from control.core.vocab import BACKENDS, POLICIES
 
 
 def _settings_help() -> str:
@@ -35,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--workers", type=int, default=None, help="model replicas (default 2 per model served)")
-    up.add_argument("--backend", choices=["fixed", "hf"], default="hf", help="hf: the local models; fixed: simulated")
-    up.add_argument("--policy", choices=["static", "continuous"], default="continuous")
+    up.add_argument("--backend", choices=BACKENDS, default="hf", help="hf: the local models; fixed: simulated")
+    up.add_argument("--policy", choices=POLICIES, default="continuous")
     up.add_argument("--models", default="", help="comma-separated model names (default: all configured)")
     up.add_argument("--port", type=int, default=None)
 
@@ -44,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one model replica")
     worker.add_argument("--model", required=True)
-    worker.add_argument("--backend", choices=["fixed", "hf"], default="hf")
-    worker.add_argument("--policy", choices=["static", "continuous"], default="continuous")
+    worker.add_argument("--backend", choices=BACKENDS, default="hf")
+    worker.add_argument("--policy", choices=POLICIES, default="continuous")
     worker.add_argument("--name", default=None, help="replica name (default MODEL-PID@HOST)")
     worker.add_argument("--loglevel", default="INFO")
 

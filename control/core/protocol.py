@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from control.core.vocab import Tier
+from control.core.vocab import DropReason, Tier
 
 # Every key the request path uses carries one hash tag, so on a Valkey/Redis cluster they
 # all hash to one slot and each Lua script (which reaches keys named inside it, not only
@@ -77,12 +77,6 @@ class Job(BaseModel):
     # Queued behind other tenants' requests of its tier (its tenant held its fair depth):
     # told by the list it came from (its message's priority), not sent in the job itself.
     behind: bool = False
-
-
-# expired: past its deadline; gone: the client hung up; retried: a retry on another
-# gateway took the request over; unavailable: the broker stopped answering; no_replica:
-# the model lost its last replica while the request waited.
-DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica"]
 
 
 class Result(BaseModel):

@@ -13,8 +13,6 @@ from control.core.connect import check_url
 from control.core.vocab import Tier
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-Backend = Literal["fixed", "hf"]
-Policy = Literal["static", "continuous"]
 
 
 class Settings(BaseSettings):

@@ -5,10 +5,10 @@ Open loop means a slow server does not slow the arrivals down, so queueing shows
 as it would with real users. Every request is counted once: a status code, or a
 client-side error if no answer came.
 
-Arrivals (`LoadSpec.arrivals`) have the simulator's shapes (`control.sim.rate_profile`):
+Arrivals (`LoadSpec.arrivals`) have the simulator's shapes (`control.load.arrivals.rate_profile`):
 `poisson` (flat), `bursts` (3x for 2 s of every 20 s), `diurnal` (one day compressed into
 the run), drawn as a non-homogeneous Poisson process by thinning; `typing`: users in
-typing sessions (`control.workloads.typing_sessions`, the simulator's process), each
+typing sessions (`control.load.arrivals.typing_sessions`, the simulator's process), each
 request sent with its session's `X-Session-Id` so that it supersedes the one before.
 The whole schedule is drawn before the run from the seed (`schedule`). Requests go to a
 mix of models that can move from one mix to another during the run (`mix_at`). Several
@@ -39,10 +39,9 @@ import uvloop
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from control.core.memory import collector_paused
+from control.core.vocab import ARRIVALS, FREE, PAID, ArrivalProfile
+from control.load.arrivals import rate_profile, typing_sessions
 from control.load.httpclient import Answer, Client
-from control.load.workloads import typing_sessions
-
-ARRIVALS = ("poisson", "bursts", "diurnal", "typing")
 
 
 @dataclass
@@ -121,7 +120,7 @@ class LoadSpec:
     retries: int = 0  # resend after a broken connection, same X-Request-Id, within the budget (as an IDE does)
     bodies: list[dict] | None = None  # request bodies to send in turn (prompt, max_tokens, ...); default: short ones
     stream: bool = False  # ask for server-sent events and record the time to the first token
-    arrivals: str = "poisson"  # one of ARRIVALS
+    arrivals: ArrivalProfile = "poisson"
     # Model mix {name: share}; None: `model` alone. It moves linearly to `shift_to` from
     # `shift_from_s` to `shift_from_s + shift_over_s`.
     models: dict[str, float] | None = None
@@ -195,8 +194,6 @@ def _pick(mix: dict[str, float], rng: random.Random) -> str:
 
 def rate_fn(spec: LoadSpec) -> Callable[[float], float]:
     """The offered rate (req/s) at a second of the run: the simulator's profile, and the spike."""
-    from control.sim.simulate import rate_profile  # the simulator's shapes; it imports only policy code
-
     profile = rate_profile("poisson" if spec.arrivals == "typing" else spec.arrivals, spec.rps, spec.duration_s)
 
     def rate(at_s: float) -> float:
@@ -230,7 +227,7 @@ def schedule(spec: LoadSpec) -> list[Arrival]:
     def tier() -> str:
         if spec.api_key:
             return "key"
-        return "paid" if tiers.random() < spec.paid_share else "free"
+        return PAID if tiers.random() < spec.paid_share else FREE
 
     if spec.arrivals == "typing":
         sessions = typing_sessions(
@@ -280,7 +277,7 @@ class _Run:
 async def _one(run: _Run, arrival: Arrival, i: int, hangup: bool) -> Record:
     client, spec, t0, sent_s, tier = run.client, run.spec, run.t0, arrival.at_s, arrival.tier
     headers = {"Content-Type": "application/json"}
-    key = spec.api_key or (spec.paid_key if tier == "paid" else spec.free_key)
+    key = spec.api_key or (spec.paid_key if tier == PAID else spec.free_key)
     if key:
         headers["Authorization"] = f"Bearer {key}"
     if spec.deadline_ms:
@@ -560,7 +557,7 @@ def summarize(records: list[Record], duration_s: float | None = None) -> dict[st
     is the share of the others answered 200. Rates are over `duration_s` (default: until the
     last answer)."""
     out: dict[str, dict[str, Any]] = {}
-    tiers = sorted({r.tier for r in records}, key=lambda t: (t != "paid", t != "free", t))
+    tiers = sorted({r.tier for r in records}, key=lambda t: (t != PAID, t != FREE, t))
     for tier in ("all", *tiers):
         rs = [r for r in records if tier == "all" or r.tier == tier]
         if not rs:

@@ -10,7 +10,7 @@
 The files come from tasks/lm/train/corpus.py (no torch is imported).
 
 And when requests are sent, where that is more than a rate:
-- `typing_sessions` (from `control/sim/simulate.py`, where the simulator draws it): users typing,
+- `typing_sessions` (from `control/load/arrivals.py`, which the simulator draws too): users typing,
   one request per pause between keystrokes, each superseding the one before it in its
   session.
 """
@@ -20,9 +20,8 @@ from __future__ import annotations
 import math
 import random
 
-from control.sim.simulate import TypingSessions, typing_sessions
-
-MIN_TOKENS, MAX_TOKENS = 4, 128
+from control.core.vocab import MAX_TOKENS, MIN_TOKENS
+from control.load.arrivals import TypingSessions, typing_sessions
 
 
 def max_tokens(rng: random.Random) -> int:

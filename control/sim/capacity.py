@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from control.core.vocab import POLICIES, ArrivalProfile
 from control.sim.simulate import (
     CONTEXT_TOKENS,
     MEAN_OUTPUT_TOKENS,
@@ -49,7 +50,7 @@ class Inputs:
     models: dict[str, float] | None = None
     sim_seconds: float = 60.0
     search_seconds: float = 20.0
-    profile: str = "poisson"
+    profile: ArrivalProfile = "poisson"
     seed: int = 1
     max_queue_paid: int = 10**9
     max_queue_free: int = 10**9
@@ -412,9 +413,7 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", type=int, default=3, help="survive losing one of them")
     parser.add_argument("--paid-fraction", type=float, default=0.2)
     parser.add_argument("--models", default="kb-small=0.8,kb-large=0.2")
-    parser.add_argument(
-        "--policy", choices=["static", "continuous"], default="static", help="continuous: needs --cost-model"
-    )
+    parser.add_argument("--policy", choices=POLICIES, default="static", help="continuous: needs --cost-model")
     parser.add_argument(
         "--scope",
         choices=["region", "fleet"],

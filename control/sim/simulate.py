@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from control.core.vocab import Tier
+from control.core.vocab import ARRIVALS, FREE, MAX_TOKENS, MIN_TOKENS, PAID, ArrivalProfile, Tier
+from control.load.arrivals import FlatRate, rate_profile, typing_sessions
 from control.policy import admission
 from control.policy.admission import Capacity, Limits, RateMeter, Verdict
 from tasks.policy.collector import Collector, CollectorConfig, Pending
@@ -43,9 +44,9 @@ from tasks.policy.scheduler import ContinuousScheduler, RunningRequest, Schedule
 # Request states (one byte each). The finished states come last.
 NEW, WAITING, RUNNING, OK, REFUSED, EXPIRED, CANCELLED, LATE, LOST = range(9)
 STATE_NAMES = ("new", "waiting", "running", "ok", "refused_429", "expired_504", "cancelled_409", "late_504", "lost")
-PROFILES = ("poisson", "bursts", "diurnal", "typing")
+PROFILES = ARRIVALS  # the arrival shapes a workload can have
 
-_TIERS: tuple[Tier, Tier] = ("free", "paid")
+_TIERS: tuple[Tier, Tier] = (FREE, PAID)  # indexed by a request's paid flag
 
 BRPOP_TIMEOUT_MS = 1000.0  # kombu's Redis transport: a BRPOP returns empty after this long
 _ADMIT = Verdict.ADMIT  # looked up once: an enum member's lookup is on the hot path
@@ -174,66 +175,11 @@ def _times(rate_fn: Any, seconds: float, rng: np.random.Generator, bin_ms: float
     return np.sort(starts + rng.uniform(0.0, bin_ms, len(starts)))
 
 
-@dataclass(frozen=True)
-class FlatRate:
-    """A constant offered rate."""
-
-    rps: float
-
-    def __call__(self, t_s: np.ndarray) -> np.ndarray:
-        return np.full_like(t_s, self.rps)
-
-
-def rate_profile(profile: str, rps: float, seconds: float) -> Any:
-    """Offered rate over time: flat, flat with bursts, or one day compressed into the run."""
-    if profile in ("poisson", "typing"):
-        return FlatRate(rps)
-    if profile == "bursts":  # 3x the rate for 2 s out of every 20 s
-        return lambda t: np.where((t % 20.0) >= 18.0, 3.0 * rps, rps)
-    if profile == "diurnal":  # night at 20% of the peak, the peak (= rps) at mid-run
-        return lambda t: rps * (0.2 + 0.8 * (1.0 - np.cos(2.0 * np.pi * t / seconds)) / 2.0)
-    raise ValueError(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
-
-
-@dataclass(frozen=True)
-class TypingSessions:
-    """Requests of typing sessions in order of sending; arrays indexed by request."""
-
-    t_ms: np.ndarray  # float64: when it is sent
-    session: np.ndarray  # int64: which session sends it
-    prev: np.ndarray  # int64: the request of the same session it supersedes, or -1
-    num_sessions: int
-
-
-def typing_sessions(
-    rng: np.random.Generator, rps: float, seconds: float, keystrokes: float = 6.0, pause_ms: float = 350.0
-) -> TypingSessions:
-    """Sessions start at random over the run, `rps * seconds / keystrokes` of them on
-    average; each sends `keystrokes` requests on average (geometric), one every typing pause
-    (100 ms + exponential `pause_ms`). Requests after `seconds` are not sent."""
-    num_sessions = rng.poisson(rps * seconds / keystrokes)
-    lengths = rng.geometric(1.0 / keystrokes, num_sessions)
-    owner = np.repeat(np.arange(num_sessions), lengths)
-    gaps = 100.0 + rng.exponential(pause_ms, len(owner))
-    first = np.r_[0, np.cumsum(lengths)[:-1]]
-    gaps[first] = 0.0
-    cum = np.cumsum(gaps)
-    t = np.repeat(rng.uniform(0.0, seconds * 1000.0, num_sessions), lengths) + cum - np.repeat(cum[first], lengths)
-    prev_raw = np.arange(len(owner)) - 1
-    prev_raw[first] = -1
-    order = np.argsort(t, kind="stable")
-    order = order[t[order] < seconds * 1000.0]
-    rank = np.full(len(t), -1, dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    prev = np.where(prev_raw[order] >= 0, rank[np.maximum(prev_raw[order], 0)], -1)
-    return TypingSessions(t[order].astype(np.float64), owner[order], prev.astype(np.int64), int(num_sessions))
-
-
 def make_workload(
     rps: float,
     seconds: float,
     *,
-    profile: str = "poisson",
+    profile: ArrivalProfile = "poisson",
     paid_fraction: float = 0.2,
     model_shares: list[float] | None = None,
     regions: int = 1,
@@ -325,7 +271,7 @@ class SimConfig:
 # -- the simulated parts ---------------------------------------------------------------------
 
 
-MEAN_OUTPUT_TOKENS = (128 - 4) / math.log(128 / 4)  # log-uniform 4..128
+MEAN_OUTPUT_TOKENS = (MAX_TOKENS - MIN_TOKENS) / math.log(MAX_TOKENS / MIN_TOKENS)  # log-uniform
 CONTEXT_TOKENS = 400.0  # a 100-500 token prompt and part of its answer
 
 
@@ -494,8 +440,8 @@ class Group:
         self.verdict = admission.check(budget_ms, capacity, self.limits)
         self.deepest = (
             (
-                admission.max_position("free", budget_ms, capacity, self.limits, rate),
-                admission.max_position("paid", budget_ms, capacity, self.limits, rate),
+                admission.max_position(FREE, budget_ms, capacity, self.limits, rate),
+                admission.max_position(PAID, budget_ms, capacity, self.limits, rate),
             )
             if self.verdict == Verdict.ADMIT
             else (0, 0)
@@ -833,7 +779,7 @@ class Simulation:
         room = collector.num_free()
         while room and group.paid_queue:
             j = group.paid_queue.popleft()
-            collector.add(Pending(str(j), "paid", self.t[j], self.deadline[j], j, now))
+            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
             room -= 1
         for pending in collector.pop_expired(now):
             j = pending.payload
@@ -886,7 +832,7 @@ class Simulation:
         room = min(collector.num_free(), engine.free_slots())
         while room and group.paid_queue:
             j = group.paid_queue.popleft()
-            collector.add(Pending(str(j), "paid", self.t[j], self.deadline[j], j, now))
+            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
             room -= 1
         for pending in collector.pop_expired(now):
             j = pending.payload
@@ -1103,7 +1049,7 @@ class SimResult:
 
     def by_tier(self, network_ms: float = 0.0) -> dict[str, dict[str, Any]]:
         paid = self.workload.paid
-        return {"paid": self.summary(network_ms, paid), "free": self.summary(network_ms, ~paid)}
+        return {PAID: self.summary(network_ms, paid), FREE: self.summary(network_ms, ~paid)}
 
     def by_region(self, network_ms: float = 0.0) -> dict[str, dict[str, Any]]:
         num_models = len(self.config.models)

@@ -18,10 +18,8 @@ No torch here: the engine holds the tensors, this module only counts tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Policy = Literal["continuous", "static"]
-POLICIES: tuple[Policy, ...] = ("continuous", "static")
+from control.core.vocab import POLICIES, Policy
 
 
 @dataclass(frozen=True)

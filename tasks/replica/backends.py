@@ -4,7 +4,8 @@ other."""
 
 from __future__ import annotations
 
-from control.core.settings import Policy, Settings
+from control.core.settings import Settings
+from control.core.vocab import Policy
 from tasks.engine.contract import Engine
 from tasks.engine.fixed import FixedLatencyEngine
 

@@ -176,7 +176,7 @@ def test_the_consumer_reconnects_through_the_hook_we_wrap() -> None:
     assert "ensure_connection" in inspect.getsource(CeleryConsumer.ensure_connected)
     # kombu honours the intervals we pass: two retries to a closed port take
     # 0.1 s with ours, where its defaults (2, 4, ... s) would take 2 s or more
-    from tests.conftest import free_port
+    from control.core.procs import free_port
 
     start_s = time.monotonic()
     with KombuConnection(f"redis://127.0.0.1:{free_port()}/0") as dead, pytest.raises(OperationalError):

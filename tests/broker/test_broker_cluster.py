@@ -26,7 +26,7 @@ from control.broker.scripts import ADMIT_LUA, CANCEL_LUA, OWNER_SLACK_MS
 from control.core import protocol as p
 from control.core.procs import child_of, free_port
 from control.fleet.valkey import valkey_server_binary
-from tests.conftest import MODEL
+from tests.support.deploy import MODEL
 
 SLOTS = 16384
 NUM_SHARDS = 3

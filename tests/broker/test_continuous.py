@@ -17,27 +17,15 @@ from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
-from tests.conftest import MODEL, until
+from tests.support.deploy import MODEL
+from tests.support.jobs import admitted_job
+from tests.support.waiting import until
 
 
 @pytest.fixture
 def state() -> Iterator[redis.Redis]:
     with EmbeddedBroker() as broker:
         yield redis.Redis.from_url(broker.url)
-
-
-def _admit(state: redis.Redis, i: int, now_ms: float, prompt: str = "x", budget_ms: float = 10_000) -> p.Job:
-    """A request as a gateway admitted it: an owner pointing at gateway "gw"."""
-    state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=20_000)
-    return p.Job(
-        id=f"a{i}",
-        key=f"t:r{i}",
-        model=MODEL,
-        prompt=f"{prompt} {i}",
-        gateway="gw",
-        received_ms=now_ms,
-        deadline_ms=now_ms + budget_ms,
-    )
 
 
 def _replica(state: redis.Redis, max_batch: int, batch_ms: float) -> tuple[Replica, BrokerClock]:
@@ -62,11 +50,11 @@ def test_a_request_joins_as_soon_as_a_slot_frees_not_when_the_batch_ends(state: 
     replica, clock = _replica(state, max_batch=2, batch_ms=300.0)
     items: dict[str, dict] = {}
     try:
-        replica.submit(_admit(state, 0, clock.now_ms()))
+        replica.submit(admitted_job(state, 0, clock.now_ms()))
         time.sleep(0.15)  # a0 is half way through when a1 and a2 arrive
         now = clock.now_ms()
-        replica.submit(_admit(state, 1, now))
-        replica.submit(_admit(state, 2, now))
+        replica.submit(admitted_job(state, 1, now))
+        replica.submit(admitted_job(state, 2, now))
         assert until(lambda: _collect(state, items) >= 3, 5)
     finally:
         replica.stop()
@@ -80,9 +68,9 @@ def test_a_cancelled_running_request_frees_its_slot_within_a_step(state: redis.R
     replica, clock = _replica(state, max_batch=1, batch_ms=2_000.0)
     items: dict[str, dict] = {}
     try:
-        replica.submit(_admit(state, 0, clock.now_ms()))
+        replica.submit(admitted_job(state, 0, clock.now_ms()))
         assert until(lambda: replica.engine.has_unfinished(), 5)
-        replica.submit(_admit(state, 1, clock.now_ms()))
+        replica.submit(admitted_job(state, 1, clock.now_ms()))
         cancelled_at = clock.now_ms()
         state.set(keys.cancel_key("a0"), "cancelled", px=10_000)
         assert until(lambda: _collect(state, items) >= 2, 5)

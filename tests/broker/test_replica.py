@@ -19,7 +19,8 @@ from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
-from tests.conftest import MODEL, until
+from tests.support.deploy import MODEL
+from tests.support.waiting import until
 
 
 class RaisingEngine(FixedLatencyEngine):

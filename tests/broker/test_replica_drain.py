@@ -19,8 +19,9 @@ from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
-from tests.broker.test_continuous import _admit
-from tests.conftest import MODEL, until
+from tests.support.deploy import MODEL
+from tests.support.jobs import admitted_job
+from tests.support.waiting import until
 
 OTHER = "kb-large"
 
@@ -54,14 +55,14 @@ def test_a_drain_answers_what_is_held_and_runs_a_message_that_slips_in_after(
 ) -> None:
     now = replica.clock.now_ms()
     for i in range(3):
-        replica.submit(_admit(state, i, now))
+        replica.submit(admitted_job(state, i, now))
     assert replica.drain() == ReplicaState.DRAINING
     assert not replica.wants_messages()  # the consumer's gate stays shut
     assert until(lambda: replica.state == ReplicaState.DRAINED, 3)
     assert answered(state) == {"a0", "a1", "a2"}
     assert state.hget(keys.replica_key("r-test"), "state") == b"drained"
     assert replica.drain() == ReplicaState.DRAINED  # idempotent
-    replica.submit(_admit(state, 3, replica.clock.now_ms()))  # a pull sent just before the gate shut
+    replica.submit(admitted_job(state, 3, replica.clock.now_ms()))  # a pull sent just before the gate shut
     assert replica.state == ReplicaState.DRAINING
     assert until(lambda: replica.state == ReplicaState.DRAINED and "a3" in answered(state), 3)
     assert replica.resume() == ReplicaState.SERVING and replica.wants_messages()
@@ -79,7 +80,7 @@ def test_a_move_swaps_the_engine_switches_the_queue_and_is_remembered(state: red
 
     replica.load_engine = load
     replica.switch_queue = lambda old, new: switched.append((old, new))
-    replica.submit(_admit(state, 0, replica.clock.now_ms()))
+    replica.submit(admitted_job(state, 0, replica.clock.now_ms()))
     assert replica.move(OTHER) == ReplicaState.DRAINING
     assert until(lambda: replica.state == ReplicaState.SERVING, 3)
     assert (replica.model, loaded, switched) == (OTHER, [OTHER], [(p.queue_name(MODEL), p.queue_name(OTHER))])

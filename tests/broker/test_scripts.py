@@ -11,7 +11,7 @@ import redis
 from control.broker import keys, scripts
 from control.broker.scripts import ADMIT_LUA, CANCEL_LUA
 from control.fleet.valkey import EmbeddedBroker
-from tests.conftest import MODEL
+from tests.support.deploy import MODEL
 
 WAITING = keys.waiting_key(MODEL, "free")
 

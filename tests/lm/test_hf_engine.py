@@ -24,7 +24,7 @@ from tasks.lm import fim
 from tasks.lm.hf_engine import HFEngine
 from tasks.lm.slot_cache import SlotCache
 from tasks.lm.textstream import TextStream
-from tests.tiny_lm import build_tiny_llama
+from tests.support.tiny_lm import build_tiny_llama
 
 CONTEXT = 256
 PROMPTS = [

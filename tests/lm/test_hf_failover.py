@@ -13,8 +13,9 @@ import redis
 
 from control.broker import keys
 from control.broker.registry import read_fleet
-from tests.conftest import MODEL, Deployment, deployment, held_counts, replica_for, until
-from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
+from tests.support.deploy import MODEL, Deployment, deployment, held_counts, replica_for
+from tests.support.lm_fixtures import quick_model  # noqa: F401  (a fixture)
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,9 @@ import pytest
 import requests
 
 from tasks.lm.fim import format_prompt
-from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
-from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
+from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
+from tests.support.lm_fixtures import quick_model  # noqa: F401  (a fixture)
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.slow
 

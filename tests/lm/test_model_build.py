@@ -15,7 +15,7 @@ from control.cli.main import main
 from tasks.lm.fim import END_OF_TEXT, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, PAD, format_prompt
 from tasks.lm.train import corpus
 from tasks.lm.train.build import BuildError, build
-from tests.lm_fixtures import QUICK_SEED, QUICK_STEPS, quick_model  # noqa: F401
+from tests.support.lm_fixtures import QUICK_SEED, QUICK_STEPS, quick_model  # noqa: F401
 
 
 def test_a_quick_build_loads_offline_as_an_ordinary_model(quick_model: Path) -> None:  # noqa: F811

@@ -8,7 +8,7 @@ import pytest
 
 from tasks.lm.train import corpus
 from tasks.lm.train.quality import Line, evaluate, is_valid, score
-from tests.lm_fixtures import quick_model  # noqa: F401
+from tests.support.lm_fixtures import quick_model  # noqa: F401
 
 BEFORE = """import os
 

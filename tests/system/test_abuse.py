@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from api.disconnect import hangup_event
-from tests.conftest import Deployment, deployment
+from tests.support.deploy import Deployment, deployment
 
 MAX_CONNECTIONS = 40  # per gateway process
 MAX_PROMPT_CHARS = 1000  # a body limit of 1000 * 6 + 65,536 bytes (Settings.max_body_bytes)
@@ -216,7 +216,9 @@ def test_each_gateway_process_holds_at_most_max_connections_and_a_new_one_is_ser
 
 @pytest.fixture(scope="module")
 def hangup_server() -> Iterator[tuple[int, queue.Queue[str]]]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.hangup_server"], stdout=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.hangup_server"], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     stdout = proc.stdout

@@ -30,7 +30,8 @@ import requests
 from control.broker import keys
 from control.core.settings import Settings
 from control.fleet.operator import Operator, OperatorError
-from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
+from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
+from tests.support.waiting import until
 
 NOBODY = ("--reuid=nobody", "--regid=nogroup", "--clear-groups")
 
@@ -224,7 +225,7 @@ def test_the_broker_refuses_writes_when_full_and_the_gateway_answers_503(fleet: 
 
 def test_keybatch_up_logs_no_secret_and_leaves_the_operator_a_private_url() -> None:
     from control.fleet.credentials import credentials_path, read_operator_url
-    from tests.system.test_supervisor import keybatch_up
+    from tests.support.up import keybatch_up
 
     with keybatch_up("--workers", "1", "--models", MODEL) as up:
         path = credentials_path(Settings().secrets_dir, up.port)

@@ -13,7 +13,8 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import PAID_KEY, Deployment, deployment, until
+from tests.support.deploy import PAID_KEY, Deployment, deployment
+from tests.support.waiting import until
 
 GENERAL, RESERVE, PER_ADDRESS = 20, 5, 6  # one gateway process
 FIRST_BYTE_S = 3.5

@@ -16,10 +16,11 @@ from textual.widgets import DataTable, Static
 from control.broker.registry import ReplicaInfo
 from control.broker.traffic import TierTraffic
 from control.core.lifecycle import ReplicaState
+from control.core.procs import free_port
 from control.core.settings import Settings
 from control.fleet.operator import FleetSnapshot, Operator
 from control.policy.rebalance import Decision
-from tests.conftest import Deployment, deployment, free_port
+from tests.support.deploy import Deployment, deployment
 from tui.dash import Dashboard
 
 SMALL, LARGE = "kb-small", "kb-large"

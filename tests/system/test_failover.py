@@ -17,7 +17,8 @@ import redis
 import requests
 
 from control.broker import keys
-from tests.conftest import MODEL, Deployment, deployment, held_counts, replica_for, until
+from tests.support.deploy import MODEL, Deployment, deployment, held_counts, replica_for
+from tests.support.waiting import until
 
 BUDGET = {"X-Deadline-Ms": "2000"}
 

@@ -15,7 +15,8 @@ import requests
 from control.broker import keys
 from control.core import protocol as p
 from control.load.loadgen import LoadSpec, TenantLoad, generate_tenants, summarize
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment, held_counts, until
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment, held_counts
+from tests.support.waiting import until
 
 FLOOD_KEY, OTHER_KEY = "test-free-flood", "test-free-other"
 KEYS = json.dumps({PAID_KEY: "paid", FREE_KEY: "free", FLOOD_KEY: "free", OTHER_KEY: "free"})
@@ -125,7 +126,7 @@ def test_the_message_of_a_large_prompt_is_about_its_size() -> None:
 def test_requests_re_queued_after_a_replica_dies_keep_then_release_their_keys_share() -> None:
     import signal
 
-    from tests.conftest import replica_for
+    from tests.support.deploy import replica_for
 
     with deployment(workers=2, max_batch="8", api_keys=KEYS) as kb:
         victim = kb.system.workers[0]

@@ -26,8 +26,9 @@ from control.core.lifecycle import ReplicaState
 from control.core.settings import Settings
 from control.fleet.operator import ActionResult, Operator, OperatorError
 from control.policy.rebalance import RebalanceConfig, RebalancePolicy
-from tests.conftest import PAID_KEY, Deployment, deployment, until
-from tests.tools.test_layers import ROOT
+from tests.support import ROOT
+from tests.support.deploy import PAID_KEY, Deployment, deployment
+from tests.support.waiting import until
 
 SMALL, LARGE = "kb-small", "kb-large"
 

@@ -13,8 +13,10 @@ from collections.abc import Iterator
 import pytest
 import requests
 
+from control.core.procs import free_port
 from control.core.settings import Settings
-from tests.conftest import Deployment, deployment, free_port, until
+from tests.support.deploy import Deployment, deployment
+from tests.support.waiting import until
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from schemathesis.checks import (
 from schemathesis.specs.openapi.schemas import OpenApiSchema
 
 from api.schemas import CompletionRequest
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment
 
 SEED = 20261129
 MAX_EXAMPLES = 60  # per operation (those without inputs stop after a few distinct cases)

@@ -17,8 +17,9 @@ import redis
 import requests
 
 from control.broker import keys
-from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, replica_for, until
-from tests.lm_fixtures import quick_model  # noqa: F401  (a fixture)
+from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment, replica_for
+from tests.support.lm_fixtures import quick_model  # noqa: F401  (a fixture)
+from tests.support.waiting import until
 
 # A stall is declared after two heartbeats past the expected batch time + STALL_MS:
 # short here, so a replica that would give up does so well within the wait below.

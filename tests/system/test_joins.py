@@ -5,48 +5,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 import redis
 import requests
 
 from control.broker import keys
-from tests.conftest import FREE_KEY, MODEL, Deployment, free_port, until
-from tests.system.test_serving import _busy_replicas, _queued_behind_busy_replicas
+from tests.support.busy import busy_replicas, queued_behind_busy_replicas
+from tests.support.deploy import FREE_KEY, MODEL, Deployment
+from tests.support.gateways import gateway_process
+from tests.support.waiting import until
 
 BODY = {"model": MODEL, "prompt": "def join(a, b):\n    ", "max_tokens": 8}
-
-
-@contextmanager
-def gateway_process(kb: Deployment, **env: str) -> Iterator[str]:
-    """One more gateway (one process) on the deployment's broker, with these KEYBATCH_
-    settings; yields its URL once it is ready."""
-    port = free_port()
-    environ = {**os.environ, "KEYBATCH_REDIS_URL": kb.system.redis_url or "", "KEYBATCH_API_PROCESSES": "1"}
-    environ["KEYBATCH_MODELS"] = json.dumps({MODEL: MODEL})
-    environ.update({f"KEYBATCH_{k.upper()}": v for k, v in env.items()})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "control", "api", "--port", str(port)],
-        env=environ,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert until(lambda: _ready(url), 30)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +75,7 @@ def test_every_copy_of_a_request_in_any_gateway_process_gets_the_one_answer(
 def test_a_join_through_another_gateway_leaves_the_first_connection_its_answer(
     kb: Deployment, other_gateway: str
 ) -> None:
-    queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "moved-2"})
+    queued, busy = queued_behind_busy_replicas(kb, **{"X-Request-Id": "moved-2"})
     retry = _post(other_gateway, "moved-2", {"model": MODEL, "prompt": "def add(a, b):\n    "})
     first = queued.result(5)
     [f.result() for f in busy]
@@ -110,7 +85,7 @@ def test_a_join_through_another_gateway_leaves_the_first_connection_its_answer(
 
 
 def test_an_id_in_flight_reused_with_another_body_is_refused(kb: Deployment, other_gateway: str) -> None:
-    queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "reused-live"})
+    queued, busy = queued_behind_busy_replicas(kb, **{"X-Request-Id": "reused-live"})
     other = {"model": MODEL, "prompt": "print('someone else')"}
     here, there = _post(kb.url, "reused-live", other), _post(other_gateway, "reused-live", other)
     for answer in (here, there):
@@ -149,7 +124,7 @@ def _tenant(key: str) -> str:
 
 
 def test_a_joined_connection_that_hangs_up_leaves_the_others_their_answer(kb: Deployment, other_gateway: str) -> None:
-    queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "join-hangup"})
+    queued, busy = queued_behind_busy_replicas(kb, **{"X-Request-Id": "join-hangup"})
     raw = json.dumps({"model": MODEL, "prompt": "def add(a, b):\n    "}).encode()
     host, port = other_gateway.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
@@ -168,7 +143,7 @@ def test_a_joined_connection_that_hangs_up_leaves_the_others_their_answer(kb: De
 
 
 def test_a_cancel_reaches_every_joined_connection_at_once(kb: Deployment, other_gateway: str) -> None:
-    busy = _busy_replicas(kb)
+    busy = busy_replicas(kb)
     with ThreadPoolExecutor(2) as pool:
         waiting = [pool.submit(_post, url, "join-cancel") for url in (kb.url, other_gateway)]
         assert until(lambda: "," in _owner(kb, "join-cancel").partition("|")[0], 5)  # both have joined

@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import requests
 
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, alive, deployment, free_port
+from control.core.procs import free_port
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, deployment
+from tests.support.waiting import alive
 
 
 def test_sigterm_finishes_what_is_in_flight_and_leaves_nothing_running() -> None:

@@ -25,7 +25,7 @@ from control.load.loadgen import (
 )
 from control.load.workloads import typing_sessions
 from control.sim.simulate import make_workload
-from tests.conftest import FREE_KEY, PAID_KEY, deployment
+from tests.support.deploy import FREE_KEY, PAID_KEY, deployment
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

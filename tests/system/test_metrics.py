@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from tests.conftest import FREE_KEY, MODEL, Deployment, deployment, until
+from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
+from tests.support.waiting import until
 
 BUDGET = {"X-Deadline-Ms": "5000"}
 

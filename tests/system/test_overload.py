@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from control.load.loadgen import LoadSpec, generate, summarize
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, deployment
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, deployment
 
 
 def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:

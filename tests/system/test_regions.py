@@ -17,8 +17,9 @@ import pytest
 import requests
 
 from api.peers import FORWARDED_HEADER
+from control.core.procs import free_port
 from control.fleet.regionclient import NoRegionAnswered, RegionClient
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment, free_port
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment
 
 BODY = {"model": MODEL, "prompt": "def add(a, b):\n    "}
 BUDGET_MS = 5000  # room for two hops on two busy shared cores; what is tested is where the answer comes from

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 from control.broker import keys
 from control.core import connect
+from control.core.procs import free_port
 from control.core.settings import Settings
-from tests.conftest import Deployment, deployment, free_port
+from tests.support.deploy import Deployment, deployment
 
 MASTER_NAME = "kb"
 # Not 1000: at 1000 or less the sentinel pings once per down-after period and may

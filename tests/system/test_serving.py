@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import redis
@@ -13,23 +13,8 @@ import requests
 from control.broker.keys import waiting_key
 from control.core.protocol import Job
 from tasks.engine.fixed import simulated_text
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment
-
-
-def _busy_replicas(kb: Deployment, n: int = 2) -> list:
-    """Start one batch on each replica so that the next request has to wait."""
-    pool = ThreadPoolExecutor(n)
-    futures = [pool.submit(kb.post, {"model": MODEL, "prompt": f"busy {i}"}) for i in range(n)]
-    time.sleep(0.08)
-    return futures
-
-
-def _queued_behind_busy_replicas(kb: Deployment, **headers: str) -> tuple[Future, list[Future]]:
-    """A request that has to wait in the queue, and the batches it waits behind."""
-    busy = _busy_replicas(kb)
-    queued = ThreadPoolExecutor(1).submit(kb.post, **headers)
-    time.sleep(0.03)
-    return queued, busy
+from tests.support.busy import busy_replicas, queued_behind_busy_replicas
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment
 
 
 def _dropped_count_becomes(kb: Deployment, reason: str, want: float, timeout_s: float = 2.0) -> float:
@@ -68,7 +53,7 @@ def test_request_id_is_echoed(kb: Deployment) -> None:
 
 def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
     before = kb.metric("keybatch_dropped_before_batch_total", reason="cancelled")
-    queued, busy = _queued_behind_busy_replicas(kb, **{"X-Request-Id": "to-cancel"})
+    queued, busy = queued_behind_busy_replicas(kb, **{"X-Request-Id": "to-cancel"})
     stranger = {"Authorization": f"Bearer {PAID_KEY}"}  # another tenant cannot cancel it
     assert requests.delete(f"{kb.url}/v1/completions/to-cancel", headers=stranger).status_code == 404
     cancel = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
@@ -86,7 +71,7 @@ def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
 
 def test_a_newer_request_in_the_session_supersedes_the_older(kb: Deployment) -> None:
     before = kb.metric("keybatch_dropped_before_batch_total", reason="superseded")
-    older, busy = _queued_behind_busy_replicas(kb, **{"X-Session-Id": "s1"})
+    older, busy = queued_behind_busy_replicas(kb, **{"X-Session-Id": "s1"})
     newer = kb.post(**{"X-Session-Id": "s1"})
     assert older.result(5).status_code == 409
     assert older.result().json()["error"]["code"] == "superseded"
@@ -206,7 +191,7 @@ def test_openai_client_library(kb: Deployment) -> None:
 
 def test_a_client_that_hangs_up_cancels_its_request(kb: Deployment) -> None:
     before = kb.metric("keybatch_dropped_before_batch_total", reason="gone")
-    busy = _busy_replicas(kb)
+    busy = busy_replicas(kb)
     body = b'{"model": "kb-small", "prompt": "never mind"}'
     host, port = kb.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:

@@ -10,9 +10,9 @@ import openai
 import pytest
 import requests
 
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, Deployment
-from tests.system.test_joins import gateway_process
-from tests.system.test_serving import _busy_replicas, _queued_behind_busy_replicas
+from tests.support.busy import busy_replicas, queued_behind_busy_replicas
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment
+from tests.support.gateways import gateway_process
 
 SCRAPE = "scrape-secret"
 
@@ -111,14 +111,14 @@ def test_the_openai_client_with_its_usual_options_still_works(kb: Deployment) ->
 
 
 def test_anonymous_callers_sharing_an_address_and_a_session_id_do_not_supersede_each_other(kb: Deployment) -> None:
-    older, busy = _queued_behind_busy_replicas(kb, key=None, **{"X-Session-Id": "shared-session"})
+    older, busy = queued_behind_busy_replicas(kb, key=None, **{"X-Session-Id": "shared-session"})
     newer = kb.post(key=None, **{"X-Session-Id": "shared-session"})
     assert (older.result(5).status_code, newer.status_code) == (200, 200), older.result().text
     [f.result() for f in busy]
 
 
 def test_an_anonymous_caller_cancels_its_request_by_the_id_it_is_given(kb: Deployment) -> None:
-    busy = _busy_replicas(kb)
+    busy = busy_replicas(kb)
     body = {"model": MODEL, "prompt": "def f():\n    ", "stream": True}
     with requests.post(
         f"{kb.url}/v1/completions", json=body, headers={"X-Request-Id": "anon-own"}, stream=True, timeout=10

@@ -4,110 +4,29 @@ is refused at once."""
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import psutil
 import pytest
 import redis
-import requests
 
 from control.broker import keys
 from control.core.settings import Settings
-from control.fleet.credentials import credentials_path, read_operator_url
 from control.fleet.up import RESTART_MAX_S, Backoff, Plan, System
 from control.fleet.valkey import EmbeddedBroker
-from tests.conftest import FREE_KEY, MODEL, PAID_KEY, alive, free_port
+from tests.support.deploy import MODEL
+from tests.support.up import cmdline, keybatch_up
+from tests.support.waiting import alive
 
 T = TypeVar("T")
-
-
-@dataclass
-class Up:
-    proc: subprocess.Popen[str]
-    port: int
-    stderr: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def post(self, prompt: str = "def add(a, b):\n    ") -> int:
-        body = {"model": MODEL, "prompt": prompt}
-        try:
-            return requests.post(f"{self.url}/v1/completions", json=body, timeout=10).status_code
-        except requests.ConnectionError:
-            return 0
-
-    def posts(self, n: int) -> list[int]:
-        with ThreadPoolExecutor(n) as pool:
-            return list(pool.map(self.post, [f"p{i}" for i in range(n)]))
-
-    def children(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children()
-
-    def replica(self, name_prefix: str) -> psutil.Process | None:
-        for child in self.children():
-            if any(arg.startswith(name_prefix) for arg in _cmdline(child)):
-                return child
-        return None
-
-    def broker(self) -> psutil.Process:
-        return next(c for c in self.children() if "valkey" in c.name())
-
-    def redis(self) -> redis.Redis:
-        """The operator's client, by the URL `up` left for the operator's tools."""
-        url = read_operator_url(credentials_path(Settings().secrets_dir, self.port))
-        assert url is not None, "no operator credentials left by `keybatch up`"
-        return redis.Redis.from_url(url, socket_timeout=2)
-
-    def log(self) -> str:
-        return self.stderr.read_text()
-
-
-@contextmanager
-def keybatch_up(*args: str) -> Iterator[Up]:
-    """`python -m control up ARGS` on a free port, until its ready line; stopped after."""
-    port = free_port()
-    env = {**os.environ, "KEYBATCH_API_KEYS": json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})}
-    env.pop("KEYBATCH_REDIS_URL", None)
-    with tempfile.NamedTemporaryFile("w+", prefix="keybatch-up-", suffix=".log") as err:
-        # stderr to a file, not a pipe: nobody reads a pipe while the test runs,
-        # and a full one would block every child that logs.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "control", "up", "--backend", "fixed", *args, "--port", str(port)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=env,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            assert ready, "keybatch up printed nothing within 60 s"
-            assert proc.stdout.readline().strip() == f"keybatch ready: http://127.0.0.1:{port}"
-            yield Up(proc, port, Path(err.name))
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
 
 
 def poll(what: Callable[[], T | None], timeout_s: float, why: str) -> T:
@@ -118,13 +37,6 @@ def poll(what: Callable[[], T | None], timeout_s: float, why: str) -> T:
             return value
         time.sleep(0.05)
     raise AssertionError(f"not within {timeout_s} s: {why}")
-
-
-def _cmdline(proc: psutil.Process) -> list[str]:
-    try:
-        return proc.cmdline()
-    except psutil.NoSuchProcess:
-        return []
 
 
 def test_a_killed_replica_is_restarted_under_its_name_while_the_other_serves() -> None:
@@ -166,7 +78,7 @@ def test_a_killed_broker_is_restarted_on_its_port_and_requests_answer_again() ->
 def test_a_killed_gateway_is_restarted_and_its_orphaned_workers_go() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL) as up:
         assert up.posts(2) == [200, 200]
-        master = next(c for c in up.children() if "api" in _cmdline(c))
+        master = next(c for c in up.children() if "api" in cmdline(c))
         workers = [w.pid for w in master.children()]
         assert workers
         master.send_signal(signal.SIGKILL)
@@ -178,10 +90,10 @@ def test_a_killed_gateway_is_restarted_and_its_orphaned_workers_go() -> None:
 def test_sigkill_of_keybatch_up_leaves_nothing_running() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL) as up:
         family = psutil.Process(up.proc.pid).children(recursive=True)
-        names = " ".join(" ".join(_cmdline(c)) for c in family)
+        names = " ".join(" ".join(cmdline(c)) for c in family)
         # Replicas, the gateway master and its two workers, Valkey: all must go.
-        assert sum("control worker" in " ".join(_cmdline(c)) for c in family) == 2
-        assert sum("control api" in " ".join(_cmdline(c)) for c in family) == 3, names
+        assert sum("control worker" in " ".join(cmdline(c)) for c in family) == 2
+        assert sum("control api" in " ".join(cmdline(c)) for c in family) == 3, names
         assert any("valkey" in c.name() for c in family)
         up.proc.kill()
         up.proc.wait()
@@ -189,7 +101,7 @@ def test_sigkill_of_keybatch_up_leaves_nothing_running() -> None:
         try:
             poll(lambda: not alive(pids), 10, "every child of keybatch up gone")
         except AssertionError as err:  # name what was left, for the next look
-            left = [" ".join(_cmdline(c)) for c in family if c.pid in alive(pids)]
+            left = [" ".join(cmdline(c)) for c in family if c.pid in alive(pids)]
             raise AssertionError(f"{err}; left: {left}") from None
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from control.chaos.run import FAULTS
 from control.cli.args import CHAOS_SCENARIOS
-from tests.conftest import drop_kept_logs
+from tests.support.waiting import drop_kept_logs
 
 
 def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: Path) -> None:

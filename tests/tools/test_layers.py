@@ -87,18 +87,6 @@ def _layer(module: str) -> int:
     return max(held, key=lambda i: len(LAYERS[i]))
 
 
-# Imports that still run up a layer, while the harness and arrival shapes move down.
-NOT_YET = {
-    "control.bench.broker_cost -> control.chaos.run",
-    "control.bench.dashboard -> control.chaos.run",
-    "control.bench.gateway_cpu -> control.chaos.run",
-    "control.bench.operations -> control.chaos.run",
-    "control.bench.rebalancing -> control.chaos.run",
-    "control.load.loadgen -> control.sim.simulate",
-    "control.load.workloads -> control.sim.simulate",
-}
-
-
 def test_every_import_goes_down_the_layers() -> None:
     graph = _imports()
     assert len(graph) > 80 and graph["tasks.replica.replica"]  # the walk found the modules and their imports
@@ -106,7 +94,7 @@ def test_every_import_goes_down_the_layers() -> None:
         f"{module} -> {dep} ({LAYERS[_layer(module)]} is below {LAYERS[_layer(dep)]})"
         for module, deps in sorted(graph.items())
         for dep in sorted(deps)
-        if _layer(dep) > _layer(module) and f"{module} -> {dep}" not in NOT_YET
+        if _layer(dep) > _layer(module)
     ]
     assert upward == []
 

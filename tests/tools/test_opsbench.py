@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import drop_kept_logs
+from tests.support.waiting import drop_kept_logs
 
 
 def test_drain_and_move_under_load_lose_nothing_and_report_their_figures(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from control.bench.peer import PeerServer, Probe, _first_answer, _peer_process, _stop_group, _wait_ready, recovery_index
+from control.bench.peer import PeerServer, Probe, first_answer, peer_process, recovery_index, stop_group, wait_ready
 from control.core.procs import free_port
-from tests.conftest import alive, until
+from tests.support.waiting import alive, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,22 +42,22 @@ def test_stop_group_kills_what_the_peer_started() -> None:
     proc = subprocess.Popen(["sh", "-c", script], start_new_session=True)
     assert until(lambda: len(psutil.Process(proc.pid).children()) == 2, timeout_s=5)
     group = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children())]
-    _stop_group(proc, grace_s=0.5)
+    stop_group(proc, grace_s=0.5)
     assert until(lambda: alive(group) == [], timeout_s=5)
 
 
 @pytest.mark.slow
 def test_the_peer_serves_a_model_folder_offline_and_dies_with_the_bench(tmp_path: Path) -> None:
     pytest.importorskip("fastapi", reason="the peer needs `pip install -e .[peer]`")
-    from tests.tiny_lm import build_tiny_llama
+    from tests.support.tiny_lm import build_tiny_llama
 
     folder = str(build_tiny_llama(tmp_path / "tiny"))
     small_cache = ["--cb-num-blocks", "8", "--cb-max-batch-tokens", "256"]  # else it reserves GBs of this machine
     server = PeerServer(folder, free_port(), threads=1, continuous=True, extra=small_cache)
-    with _peer_process(server, tmp_path / "serve.log") as proc:
-        assert _wait_ready(server, proc, timeout_s=120) > 0
+    with peer_process(server, tmp_path / "serve.log") as proc:
+        assert wait_ready(server, proc, timeout_s=120) > 0
         body = {"model": folder, "prompt": "def add(a, b):\n", "max_tokens": 4, "temperature": 0.0}
-        assert _first_answer(server.url, body, timeout_s=120) > 0  # with continuous batching, on the CPU
+        assert first_answer(server.url, body, timeout_s=120) > 0  # with continuous batching, on the CPU
         group = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
     assert until(lambda: alive(group) == [], timeout_s=5)
 

@@ -9,6 +9,8 @@ import pytest
 
 from tasks.policy.scheduler import ContinuousScheduler, RunningRequest, SchedulerConfig, WaitingRequest
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def make_scheduler(**overrides: object) -> ContinuousScheduler:
     config = {"max_slots": 4, "token_budget": 64, "prefill_chunk": 32, "policy": "continuous", **overrides}
@@ -124,16 +126,17 @@ def test_nothing_to_do_is_an_empty_plan() -> None:
     assert make_scheduler().schedule([], []).is_empty
 
 
-def test_policy_code_imports_only_the_standard_library() -> None:
-    source = Path(__file__).parents[2] / "tasks" / "policy" / "scheduler.py"
-    tree = ast.parse(source.read_text())
-    imported = {
-        (node.module or "").split(".")[0] if isinstance(node, ast.ImportFrom) else alias.name.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for alias in node.names
-    }
-    assert imported <= {"__future__", "dataclasses", "typing"}
+def test_policy_code_imports_only_the_standard_library_and_the_vocabularies() -> None:
+    """The vocabularies' module is itself standard library only (checked here too)."""
+    for source in (ROOT / "tasks" / "policy" / "scheduler.py", ROOT / "control" / "core" / "vocab.py"):
+        tree = ast.parse(source.read_text())
+        imported = {
+            (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        assert imported <= {"__future__", "dataclasses", "typing", "control.core.vocab"}, source
 
 
 def test_a_burst_of_short_prompts_prefills_a_few_per_step() -> None:

@@ -1,6 +1,6 @@
 """A tiny gevent pywsgi server with the gateway's handler, for tests/system/test_abuse.py.
 
-`python -m tests.hangup_server` prints its port, then two lines per request:
+`python -m tests.support.hangup_server` prints its port, then two lines per request:
 `GET /path watching` once the app watches its client, then `GET /path gone` if the
 client hung up while the app waited (the query string's seconds, default 5), or
 `GET /path stayed` if not. A path starting `/closed` stops watching before it waits.

@@ -1,5 +1,5 @@
 """Fixtures for tests that need a real model: import them by name
-(`from tests.lm_fixtures import quick_model`)."""
+(`from tests.support.lm_fixtures import quick_model`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,87 @@
+"""A whole keybatch for a test (broker, replicas, gateway), over the deployment harness,
+and what tests read of it: an HTTP client with the test keys, metrics, held requests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import redis
+import requests
+
+from control.bench.harness import in_process
+from control.broker import keys
+from control.core.procs import free_port
+from control.core.vocab import Backend, Policy
+from control.fleet.up import Plan, System
+
+PAID_KEY, FREE_KEY = "test-paid", "test-free"
+MODEL = "kb-small"
+
+
+@dataclass
+class Deployment:
+    system: System
+    url: str
+
+    def post(self, body: dict | None = None, key: str | None = FREE_KEY, **headers: str) -> requests.Response:
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        body = body if body is not None else {"model": MODEL, "prompt": "def add(a, b):\n    "}
+        return requests.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                inner = series[len(name) :].strip("{}")
+                if ",".join(sorted(inner.split(","))) == want or (not want and not inner):
+                    return float(value)
+        return 0.0
+
+
+@contextmanager
+def deployment(
+    workers: int = 2,
+    backend: Backend = "fixed",
+    policy: Policy = "static",
+    model: str = MODEL,
+    models: tuple[str, ...] = (),
+    **env: str,
+) -> Iterator[Deployment]:
+    """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings;
+    `models` (default: `model` alone) get the workers round robin."""
+    plan = Plan(
+        workers=workers,
+        backend=backend,
+        policy=policy,
+        models=list(models or (model,)),
+        port=free_port(),
+        quiet=not os.environ.get("KEYBATCH_TEST_VERBOSE"),
+    )
+    with in_process(plan, {PAID_KEY: "paid", FREE_KEY: "free"}, env) as system:
+        d = Deployment(system, system.url)
+        # Readiness is not warmth: the first batches after a start run slow
+        # (first connections, first imports); one request per replica first.
+        for _ in range(workers):
+            d.post()
+        yield d
+
+
+def held_counts(kb: Deployment) -> dict[str, int]:
+    """Requests each replica holds now, by held-hash key."""
+    state = redis.Redis.from_url(kb.system.redis_url)
+    return {k.decode(): state.hlen(k) for k in state.keys(keys.held_key("*"))}
+
+
+def replica_for(kb: Deployment, pid: int) -> str:
+    """The registered name of the replica process `pid`."""
+    state = redis.Redis.from_url(kb.system.redis_url)
+    for name in state.smembers(keys.REPLICAS_KEY):
+        if state.hget(keys.replica_key(name.decode()), "pid") == str(pid).encode():
+            return name.decode()
+    raise AssertionError(f"no replica with pid {pid}")
