@@ -19,7 +19,8 @@ from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
 from api.schemas import CompletionRequest
 from control.core import protocol as p
-from control.core.settings import Settings, Tier
+from control.core.settings import Settings
+from control.core.vocab import FREE, Tier
 
 bp = Blueprint("completions", __name__)
 
@@ -48,7 +49,7 @@ def caller(settings: Settings) -> tuple[Tier, str]:
     auth = request.headers.get("Authorization")
     if auth is None:
         if settings.allow_anonymous:
-            return "free", ANONYMOUS
+            return FREE, ANONYMOUS
         raise ApiError(401, "an API key is required (Authorization: Bearer KEY)", "missing_api_key")
     scheme, _, key = auth.partition(" ")
     key = key.strip()

@@ -34,7 +34,7 @@ from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.connect import client_like
 from control.core.settings import Settings
-from control.core.vocab import Tier
+from control.core.vocab import FREE, PAID, TIERS, Tier
 from control.policy import admission
 from control.policy.admission import Capacity, Limits, Verdict
 
@@ -141,7 +141,7 @@ class Gateway:
         # Admissions with a client's id between their script call and their registration, by key.
         self._joining: dict[str, int] = {}
         self._depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
-        self._tenants = {tier: _tenant_policy(settings, tier) for tier in ("paid", "free")}
+        self._tenants = {tier: _tenant_policy(settings, tier) for tier in TIERS}
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
         # Set by the server: False once this process was told to stop (it then
         # finishes what it holds but admits nothing new, and /readyz says so).
@@ -220,7 +220,7 @@ class Gateway:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
             if verdict == Verdict.ADMIT:
-                if job.tier == "paid":
+                if job.tier == PAID:
                     self._paid_rate[job.model].add(now)
                 self.metrics.inflight.inc()
                 return waiter
@@ -270,8 +270,8 @@ class Gateway:
             try:
                 status, paid, free, paid_behind, free_behind, extra = self._admit(
                     owner_key=keys.owner_key(job.key),
-                    waiting_paid=keys.waiting_key(job.model, "paid"),
-                    waiting_free=keys.waiting_key(job.model, "free"),
+                    waiting_paid=keys.waiting_key(job.model, PAID),
+                    waiting_free=keys.waiting_key(job.model, FREE),
                     queue=keys.queue_key(job.model, job.tier),
                     session=keys.session_key(session_key) if session_key else None,
                     owner=owner,
@@ -319,7 +319,7 @@ class Gateway:
         return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
 
     def _max_message_bytes(self, tier: Tier) -> int:
-        kb = self.settings.max_message_kb_paid if tier == "paid" else self.settings.max_message_kb_free
+        kb = self.settings.max_message_kb_paid if tier == PAID else self.settings.max_message_kb_free
         return kb * 1024
 
     def _tenant_terms(self, job: p.Job, tenant: str, deepest: int, capacity: Capacity, fingerprint: str) -> TenantTerms:
@@ -327,8 +327,8 @@ class Gateway:
         policy = self._tenants[job.tier]
         limits = admission.tenant_limits(deepest, capacity, policy)
         return TenantTerms(
-            waiting_paid_behind=keys.waiting_key(job.model, "paid", behind=True),
-            waiting_free_behind=keys.waiting_key(job.model, "free", behind=True),
+            waiting_paid_behind=keys.waiting_key(job.model, PAID, behind=True),
+            waiting_free_behind=keys.waiting_key(job.model, FREE, behind=True),
             queue_behind=keys.queue_key(job.model, job.tier, behind=True),
             tenant_waiting=keys.tenant_waiting_key(job.model, job.tier, tenant),
             bucket=keys.bucket_key(job.tier, tenant),
@@ -627,7 +627,7 @@ def _rescue_offer(waiter: Waiter) -> RescueOffer:
 
 
 def _tenant_policy(settings: Settings, tier: Tier) -> admission.TenantPolicy:
-    paid = tier == "paid"
+    paid = tier == PAID
     return admission.TenantPolicy(
         rate_per_s=settings.tenant_rate_paid if paid else settings.tenant_rate_free,
         burst=settings.tenant_burst_paid if paid else settings.tenant_burst_free,

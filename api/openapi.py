@@ -15,6 +15,7 @@ from flask import Blueprint, Response, current_app, jsonify
 
 from api.schemas import CompletionRequest
 from control.core.settings import Settings
+from control.core.vocab import TIERS
 
 bp = Blueprint("openapi", __name__)
 
@@ -255,7 +256,7 @@ def _schemas() -> dict[str, Schema]:
                         "batch_size": integer,
                         "replica": string,
                         "backend": string,
-                        "tier": {"enum": ["paid", "free"]},
+                        "tier": {"enum": list(TIERS)},
                     },
                     description="keybatch's own timings (ms), batch size and replica.",
                 ),

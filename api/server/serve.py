@@ -21,6 +21,7 @@ from api.server.redis_internals import unpatched_pool_checks
 from control.core.memory import freeze_startup_objects
 from control.core.procs import pid_alive
 from control.core.settings import Settings
+from control.core.vocab import PAID
 
 KEEPALIVE_S = 5
 LINGER_S = 2  # a refused request's connection drains this long at most before it closes
@@ -41,7 +42,7 @@ class RequestLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> RequestLimits:
-        paid = frozenset(key for key, tier in settings.api_keys.items() if tier == "paid")
+        paid = frozenset(key for key, tier in settings.api_keys.items() if tier == PAID)
         return cls(
             settings.header_timeout_s,
             settings.body_timeout_s,

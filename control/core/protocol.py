@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from control.core.vocab import DropReason, Tier
+from control.core.vocab import FREE, PAID, DropReason, Tier
 
 # Every key the request path uses carries one hash tag, so on a Valkey/Redis cluster they
 # all hash to one slot and each Lua script (which reaches keys named inside it, not only
@@ -38,7 +38,7 @@ def queue_name(model: str) -> str:
 
 
 def priority_of(tier: Tier) -> int:
-    return PAID_PRIORITY if tier == "paid" else FREE_PRIORITY
+    return PAID_PRIORITY if tier == PAID else FREE_PRIORITY
 
 
 def is_behind(priority: object) -> bool:
@@ -69,7 +69,7 @@ class Job(BaseModel):
     temperature: float = 0.0
     top_p: float = 1.0
     stop: list[str] = Field(default_factory=list)
-    tier: Tier = "free"
+    tier: Tier = FREE
     gateway: str
     received_ms: float  # when the gateway admitted it, epoch ms on the broker's clock
     deadline_ms: float  # after which nobody waits for it, on the broker's clock

@@ -25,6 +25,7 @@ from control.core import connect
 from control.core.clock import Clock, SystemClock
 from control.core.lifecycle import ReplicaState
 from control.core.settings import Settings
+from control.core.vocab import PAID
 from control.policy.rebalance import Decision, ModelDemand, RebalanceConfig, RebalancePolicy, ReplicaSlot, Snapshot
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class Operator:
             demand[model] = ModelDemand(
                 model,
                 arrival_rate=sum(t.arrival_rate for t in rows),
-                paid_rate=sum(t.arrival_rate for t in rows if t.tier == "paid"),
+                paid_rate=sum(t.arrival_rate for t in rows if t.tier == PAID),
                 oldest_ms=max((t.oldest_ms for t in rows), default=0.0),
             )
         return Snapshot(slots, demand)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from enum import IntEnum
 
-from control.core.vocab import Tier
+from control.core.vocab import FREE, PAID, Tier
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Limits:
     margin_ms: float = 15.0
 
     def max_queue(self, tier: Tier) -> int:
-        return self.max_queue_paid if tier == "paid" else self.max_queue_free
+        return self.max_queue_paid if tier == PAID else self.max_queue_free
 
 
 class Verdict(IntEnum):
@@ -76,7 +76,7 @@ class Verdict(IntEnum):
 
 def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
     """1-based queue position of a new request: paid waits behind paid, free behind all."""
-    return paid_waiting + 1 + (free_waiting if tier == "free" else 0)
+    return paid_waiting + 1 + (free_waiting if tier == FREE else 0)
 
 
 def predict_ms(position: int, capacity: Capacity) -> float:
@@ -120,7 +120,7 @@ def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limit
     """
     slots = max_slots(budget_ms, capacity, limits)
     deepest = slots * capacity.max_batch
-    if tier == "free":
+    if tier == FREE:
         deepest -= math.ceil(paid_rate_rps * slot_start_ms(slots, capacity) / 1000.0)
     return min(deepest, limits.max_queue(tier))
 
@@ -207,7 +207,7 @@ def tenant_limits(deepest: int, capacity: Capacity, policy: TenantPolicy) -> Ten
 def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:
     """1-based queue position of a new request in its list: paid lists before free ones, a
     tier's list of keys in line before its list of requests behind them."""
-    if tier == "paid":
+    if tier == PAID:
         return depths.paid + 1 + (depths.paid_behind if behind else 0)
     ahead = depths.paid + depths.paid_behind + depths.free
     return ahead + 1 + (depths.free_behind if behind else 0)

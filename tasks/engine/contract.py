@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from control.core.protocol import Job
+from control.core.vocab import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -39,7 +40,11 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-FINISH_REASONS = {
+# How a finished request ended: a reason its client sees, or one the replica handles
+# itself (an abort answers nobody, an error becomes a failure).
+Ending = FinishReason | Literal["abort", "error"]
+
+ENDINGS: dict[RequestStatus, Ending] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -77,8 +82,8 @@ class StepOutput:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)
+    def finish_reason(self) -> Ending | None:
+        return ENDINGS.get(self.status)
 
 
 def refused(request_id: str, err: RequestError) -> StepOutput:

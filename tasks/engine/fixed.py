@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from control.core.protocol import Job
+from control.core.vocab import FinishReason
 from tasks.engine.contract import RequestStatus, StepOutput
 
 SIMULATED = "fixed (simulated accelerator)"
@@ -39,7 +40,7 @@ _FRAGMENTS = (
 )
 
 
-def simulated_text(job: Job) -> tuple[str, str]:
+def simulated_text(job: Job) -> tuple[str, FinishReason]:
     """Deterministic completion for a prompt: (text, finish_reason)."""
     seed = f"{job.prompt}\x00{job.suffix or ''}".encode()
     digest = hashlib.shake_256(seed).digest(job.max_tokens)

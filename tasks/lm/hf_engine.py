@@ -27,13 +27,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from control.core.protocol import Job
+from control.core.vocab import Policy
 from tasks.engine.contract import RequestError, RequestStatus, StepOutput
 from tasks.lm import fim
 from tasks.lm.prefix_cache import PrefixCache
 from tasks.lm.slot_cache import SlotCache
 from tasks.lm.textstream import TextStream
 from tasks.policy.costs import StepCosts
-from tasks.policy.scheduler import ContinuousScheduler, Policy, RunningRequest, SchedulerConfig, WaitingRequest
+from tasks.policy.scheduler import ContinuousScheduler, RunningRequest, SchedulerConfig, WaitingRequest
 
 PREFIX_BLOCK = 32  # tokens per prefix-cache block
 PREFIX_CACHE_TOKENS = 16_384  # default bound of the prefix cache: 16 full 1,024-token prompts

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from control.core.vocab import Tier
+from control.core.vocab import FREE, PAID, Tier
 
 BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
 
@@ -50,7 +50,7 @@ class Pending:
             self.arrived_ms = self.received_ms
 
     def rank(self, paid_boost_ms: float) -> float:
-        if self.tier == "paid":
+        if self.tier == PAID:
             return self.received_ms - paid_boost_ms
         return self.received_ms + (BEHIND_MS if self.behind else 0.0)
 
@@ -85,11 +85,11 @@ class Collector:
 
     def num_free(self) -> int:
         """Free requests that a late paid one would displace from the next batch."""
-        return min(self.config.max_batch, sum(p.tier == "free" for p in self.waiting))
+        return min(self.config.max_batch, sum(p.tier == FREE for p in self.waiting))
 
     def num_behind(self) -> int:
         """Free requests behind other tenants' ones that a late free one in line would displace."""
-        return min(self.config.max_batch, sum(p.behind and p.tier == "free" for p in self.waiting))
+        return min(self.config.max_batch, sum(p.behind and p.tier == FREE for p in self.waiting))
 
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control.core.vocab import POLICIES, Policy
+from control.core.vocab import FREE, PAID, POLICIES, Policy, Tier
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class WaitingRequest:
     """A request added to the engine and not yet given a slot."""
 
     id: str
-    tier: str  # "paid" or "free"
+    tier: Tier
     num_prompt_tokens: int
     arrival: int  # order of arrival in this engine (smaller came first)
 
@@ -69,7 +69,7 @@ class RunningRequest:
 
     id: str
     num_prefill_left: int  # prompt tokens not yet in its KV cache; 0 once it decodes
-    tier: str = "free"
+    tier: Tier = FREE
     arrival: int = 0
     is_finished: bool = False  # static policy: finished, kept in the batch until the batch ends
 
@@ -97,7 +97,7 @@ class SchedulerOutput:
 
 
 def _priority(request: WaitingRequest | RunningRequest) -> tuple[bool, int]:
-    return request.tier != "paid", request.arrival
+    return request.tier != PAID, request.arrival
 
 
 class ContinuousScheduler:

@@ -21,6 +21,7 @@ from control.broker import keys, records, scripts, traffic
 from control.broker.envelope import job_from_message
 from control.broker.leases import release_replica
 from control.core import protocol as p
+from control.core.vocab import FREE, PAID
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,9 @@ class ReplicaBroker:
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
         if room:
-            pipe.rpop(keys.queue_key(model, "paid"), room)
+            pipe.rpop(keys.queue_key(model, PAID), room)
         if behind:
-            pipe.rpop(keys.queue_key(model, "free"), behind)
+            pipe.rpop(keys.queue_key(model, FREE), behind)
         results = pipe.execute()
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
