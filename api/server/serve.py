@@ -263,7 +263,7 @@ def server_class(table: ConnectionTable) -> type:
     class Server(PyWSGIServer):
         def do_handle(self, sock: Any, address: Any) -> None:
             host = address[0] if isinstance(address, tuple) else str(address)
-            conn = table.admit(host, lambda: _shut(sock), lambda: _has_input(sock))
+            conn = table.admit(host, lambda: _shut(sock), lambda: has_input(sock))
             if conn is None:
                 _refuse_at_once(sock, ALL_TAKEN)
                 return
@@ -286,7 +286,7 @@ def server_class(table: ConnectionTable) -> type:
 REFUSED_READS = 4  # a client that keeps sending to a refused connection does not hold the loop
 
 
-def _has_input(sock: Any) -> bool:
+def has_input(sock: Any) -> bool:
     """Bytes wait in the socket (a request on its way in); end of file is not input."""
     raw = getattr(sock, "_sock", sock)
     try:

@@ -412,15 +412,15 @@ def test_a_waiting_connection_whose_request_has_arrived_is_not_shed() -> None:
 
 
 def test_has_input_sees_bytes_not_yet_read_and_not_an_end_of_file() -> None:
-    from api.server.serve import _has_input
+    from api.server.serve import has_input
 
     left, right = socket.socketpair()
     try:
-        assert _has_input(right) is False
+        assert has_input(right) is False
         left.sendall(b"GET / HTTP/1.1\r\n")
-        assert until(lambda: _has_input(right), timeout_s=2.0)
+        assert until(lambda: has_input(right), timeout_s=2.0)
         assert right.recv(64) == b"GET / HTTP/1.1\r\n"  # peeked, not consumed
         left.close()
-        assert _has_input(right) is False
+        assert has_input(right) is False
     finally:
         right.close()
