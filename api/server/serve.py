@@ -2,257 +2,29 @@
 
 from __future__ import annotations
 
-import errno
-import io
 import os
 import resource
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from gunicorn.app.base import BaseApplication
 
 from api.server.conntable import Conn, ConnectionTable
-from api.server.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, read_headers
+from api.server.limits import KEEPALIVE_S, RequestLimits
 from api.server.redis_internals import unpatched_pool_checks
+from api.server.refusals import ALL_TAKEN
 from control.core.memory import freeze_startup_objects
 from control.core.procs import pid_alive
 from control.core.settings import Settings
-from control.core.vocab import PAID
-
-KEEPALIVE_S = 5
-LINGER_S = 2  # a refused request's connection drains this long at most before it closes
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may take of its connection before the app sees it."""
-
-    header_timeout_s: float
-    body_timeout_s: float
-    max_body_bytes: int
-    first_byte_timeout_s: float = KEEPALIVE_S
-    send_timeout_s: float = 10.0
-    max_header_bytes: int = 32_768
-    max_header_fields: int = 100
-    paid_keys: frozenset[str] = frozenset()
-
-    @classmethod
-    def of(cls, settings: Settings) -> RequestLimits:
-        paid = frozenset(key for key, tier in settings.api_keys.items() if tier == PAID)
-        return cls(
-            settings.header_timeout_s,
-            settings.body_timeout_s,
-            settings.max_body_bytes,
-            settings.first_byte_timeout_s,
-            settings.send_timeout_s,
-            settings.max_header_bytes,
-            settings.max_header_fields,
-            paid,
-        )
-
-    def is_paid(self, authorization: str | None) -> bool:
-        """The key decides the tier, as the app reads it (api/completions.py: caller)."""
-        if not authorization or not self.paid_keys:
-            return False
-        scheme, _, key = authorization.partition(" ")
-        return scheme.lower() == "bearer" and key.strip() in self.paid_keys
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BadFraming(ValueError):
-    pass
-
-
-class HeaderBlockTooLarge(ValueError):
-    pass
-
-
-class AllTaken(Exception):
-    pass
-
-
-class SendTimedOut(OSError):
-    """A write that did not complete in time: taken as a client gone (EPIPE)."""
-
-    def __init__(self) -> None:
-        super().__init__(errno.EPIPE, "the client did not read the answer in time")
 
 
 def handler_class(limits: RequestLimits) -> type:
-    """pywsgi's handler with deadlines for a request's arrival (docs/decisions/0010)
-    and strict framing and header limits (docs/decisions/0017).
+    """pywsgi's handler with these limits (api/server/handler.py), loaded with gevent."""
+    from api.server.handler import handler_class as bound_handler
 
-    From a request's first byte its line and header block must arrive within
-    `header_timeout_s`, then its body within `body_timeout_s`: whole deadlines,
-    not per read, so a peer dribbling a byte at a time is answered 408 and
-    closed. The body is read here, before the app runs, up to `max_body_bytes`
-    (413 beyond, chunked or not): the app gets it whole, and an app waiting on
-    its completion leaves nothing unread on the socket (api/disconnect.py).
-    A new connection sends its first byte within `first_byte_timeout_s`; each
-    write of an answer completes within `send_timeout_s`. A request refused here
-    (400, 408, 413, 431, 501) is answered and its connection closed.
-    """
-    import gevent
-    from gevent.pywsgi import _InvalidClientInput
-    from gunicorn.workers.ggevent import PyWSGIHandler
-
-    timed_out = _error_response("408 Request Timeout", "request_timeout", "the request did not arrive in time")
-    too_large = _error_response(
-        "413 Content Too Large", "request_too_large", f"the request body exceeds {limits.max_body_bytes} bytes"
-    )
-    headers_too_large = _error_response(
-        "431 Request Header Fields Too Large",
-        "headers_too_large",
-        f"the header block exceeds {limits.max_header_bytes} bytes or {limits.max_header_fields} fields",
-    )
-    framing = {
-        400: lambda message: _error_response("400 Bad Request", "bad_request", message),
-        501: lambda message: _error_response("501 Not Implemented", "not_implemented", message),
-    }
-
-    class Handler(PyWSGIHandler):
-        idle: gevent.Timeout | None = None  # waiting for a request's first byte
-        deadline: gevent.Timeout | None = None  # the request's header block's, then its body's
-        buffered_body = -1  # bytes of the body in memory with its header block (-1: unknown)
-        conn: Conn | None = None  # its slot in the server's table (ConnectionTable)
-        table: ConnectionTable | None = None
-        served = 0  # requests read on this connection
-
-        def handle_one_request(self) -> Any:
-            try:
-                result = super().handle_one_request()
-                if isinstance(result, tuple):  # pywsgi's own refusal (414): sent as ours are
-                    return self._refuse(result[1])
-                return result
-            except gevent.Timeout as timeout:
-                if timeout is self.idle:
-                    return None
-                if timeout is self.deadline:
-                    return self._refuse(timed_out)
-                raise
-            except BodyTooLarge:
-                return self._refuse(too_large)
-            except AllTaken:
-                return self._refuse(ALL_TAKEN)
-            except (BadFraming, _InvalidClientInput) as exc:
-                return self._handle_client_error(exc)
-            except OSError:
-                return None  # the client went away while sending: nobody to answer
-            finally:
-                self._end_deadline()
-
-        def _handle_client_error(self, ex: BaseException) -> None:
-            if isinstance(ex, HeaderBlockTooLarge):
-                return self._refuse(headers_too_large)
-            if isinstance(ex, FramingError):
-                return self._refuse(framing[ex.status](str(ex)))
-            return self._refuse(framing[400]("the request is not valid HTTP/1.1"))
-
-        def _refuse(self, response: bytes) -> None:
-            """Answer, then close so that the client reads the answer: a socket closed
-            with unread bytes resets the connection, and the reset can overtake the
-            answer. So stop sending and drop what still comes, for LINGER_S at most."""
-            self._end_deadline()
-            with gevent.Timeout(LINGER_S, False):
-                try:
-                    self.socket.sendall(response)
-                    self.socket.shutdown(socket.SHUT_WR)
-                    while self.socket.recv(65_536):
-                        pass
-                except OSError:
-                    pass  # it went away: nothing left to tell it
-
-        def read_requestline(self) -> Any:
-            # A stopping worker waits for its open connections: an idle one
-            # closes after KEEPALIVE_S, as gunicorn's own worker does it; a new
-            # one sends its first byte sooner (an idle one holds a slot).
-            # (A new timer each time: a libev timer stopped and started again
-            # resumes its remaining time, it does not start over.)
-            if self.served and self.conn is not None and self.table is not None:
-                self.table.waiting(self.conn)
-            self.served += 1
-            self.idle = gevent.Timeout(limits.first_byte_timeout_s if self.served == 1 else KEEPALIVE_S)
-            self.idle.start()
-            try:
-                buffered = self.rfile.peek(1)  # all that is in memory; b"" at EOF
-            finally:
-                self.idle.close()
-            if not buffered:
-                return None
-            # Most requests come in one piece, and reading what is in memory needs
-            # no deadline: a timer is set only for what has yet to arrive.
-            end = buffered.find(b"\r\n\r\n")
-            self.buffered_body = len(buffered) - end - 4 if end >= 0 else -1
-            if end < 0:
-                self._start_deadline(limits.header_timeout_s)  # from the first byte
-            return super().read_requestline()
-
-        def MessageClass(self, fp: Any, *_args: Any) -> Any:  # noqa: N802 (pywsgi's name)
-            message = read_headers(fp, limits.max_header_bytes, limits.max_header_fields)
-            if message.status in (TOO_LONG, TOO_MANY):
-                raise HeaderBlockTooLarge(message.status)
-            if not message.status:
-                check_framing(message, self.request_version)
-            return message
-
-        def get_environ(self) -> Any:
-            self._end_deadline()  # the header block is in
-            if self.conn is not None and self.table is not None:
-                if not self.table.busy(self.conn, limits.is_paid(self.headers.get("Authorization"))):
-                    raise AllTaken  # on trial for a paid request, and it is not
-            environ = super().get_environ()
-            chunked = self.wsgi_input.chunked_input
-            if "HTTP_TRANSFER_ENCODING" in environ and not chunked:
-                # pywsgi would take the body for the next request (RFC 9112 6.1: 400)
-                raise BadFraming("a transfer coding other than chunked")
-            if chunked or self.content_length:
-                self._read_body(environ)
-            return environ
-
-        def _read_body(self, environ: dict[str, Any]) -> None:
-            """The whole body, within its deadline and size, handed to the app as bytes."""
-            if (self.content_length or 0) > limits.max_body_bytes:
-                raise BodyTooLarge  # refused before a byte of it is read
-            if self.wsgi_input.chunked_input or self.content_length > self.buffered_body:
-                self._start_deadline(limits.body_timeout_s)
-            body = self.wsgi_input.read(limits.max_body_bytes + 1)  # to its end, or one byte over
-            self._end_deadline()
-            if len(body) > limits.max_body_bytes:
-                raise BodyTooLarge
-            environ["wsgi.input"] = io.BytesIO(body)
-            environ["CONTENT_LENGTH"] = str(len(body))
-            environ.pop("HTTP_TRANSFER_ENCODING", None)  # the app sees a plain body
-
-        def _sendall(self, data: bytes) -> None:
-            # A client that does not read (pipelining requests it never reads the
-            # answers of) would hold the connection and what is queued for it.
-            timer = gevent.Timeout(limits.send_timeout_s, SendTimedOut)
-            timer.start()
-            try:
-                super()._sendall(data)
-            finally:
-                timer.close()
-
-        def _start_deadline(self, seconds: float) -> None:
-            self.deadline = gevent.Timeout(seconds)
-            self.deadline.start()
-
-        def _end_deadline(self) -> None:
-            if self.deadline is not None:
-                self.deadline.close()
-                self.deadline = None
-
-        def log_request(self) -> None:
-            pass  # the access log is off: skip gunicorn's per-request bookkeeping for it
-
-    return Handler
+    return bound_handler(limits)
 
 
 def server_class(table: ConnectionTable) -> type:
@@ -318,20 +90,6 @@ def _refuse_at_once(sock: Any, response: bytes) -> None:
         pass  # nothing more to read (EAGAIN), or it went away
     finally:
         sock.close()
-
-
-def _error_response(status: str, code: str, message: str, retry_s: int | None = None) -> bytes:
-    """A whole answer, OpenAI-shaped, for a request refused before the app saw it."""
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
-    head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    if retry_s is not None:
-        head += f"Retry-After: {retry_s}\r\n"
-    return head.encode() + b"Connection: close\r\n\r\n" + body
-
-
-ALL_TAKEN = _error_response(
-    "503 Service Unavailable", "too_many_connections", "the server holds all the connections it can", retry_s=1
-)
 
 
 def _worker_class(settings: Settings) -> type:
