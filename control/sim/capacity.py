@@ -23,17 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from control.core.vocab import POLICIES, ArrivalProfile
-from control.sim.simulate import (
-    CONTEXT_TOKENS,
-    MEAN_OUTPUT_TOKENS,
-    PROFILES,
-    CostModel,
-    SimConfig,
-    SimResult,
-    make_workload,
-    simulate,
-)
+from control.sim.config import SimConfig
+from control.sim.cost import CONTEXT_TOKENS, MEAN_OUTPUT_TOKENS, CostModel
+from control.sim.result import SimResult
+from control.sim.simulate import simulate
 from control.sim.split import simulate_split, used_processes
+from control.sim.workload import PROFILES, make_workload
 
 
 @dataclass

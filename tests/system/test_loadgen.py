@@ -24,7 +24,7 @@ from control.load.loadgen import (
     under_slo_from,
 )
 from control.load.workloads import typing_sessions
-from control.sim.simulate import make_workload
+from control.sim.workload import make_workload
 from tests.support.deploy import FREE_KEY, PAID_KEY, deployment
 
 PNG = b"\x89PNG\r\n\x1a\n"
