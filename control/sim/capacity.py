@@ -240,132 +240,214 @@ def _searched(tasks: list[tuple[Inputs, str, float, int]], processes: int) -> li
         return pool.starmap(search, tasks, chunksize=1)
 
 
+@dataclass
+class FinalRun:
+    """The final run's figures, whichever way it ran (the fleet, one region, or cells)."""
+
+    summary: dict[str, Any]
+    per_tier: dict[str, Any]
+    per_model: dict[str, Any]
+    num_requests: int
+    mean_batch: float
+    scope: str
+    processes: int
+    by_region: dict[str, Any] | None = None
+
+
 def plan(inputs: Inputs) -> dict[str, Any]:
     """Arithmetic, the search per model, and a final run of one surviving region at the
     recommended counts for `sim_seconds`."""
     out: dict[str, Any] = {"inputs": _inputs_json(inputs), "arithmetic": arithmetic(inputs)}
-    shares = inputs.shares
-    recommended: dict[str, int | None] = {}
-    searches: dict[str, list[dict]] = {name: [] for name in shares}
-    floor_ms = out["arithmetic"]["batch_ms_full"] + 15.0  # one full batch and the margin
+    why_not = _why_not(inputs, out["arithmetic"])
+    if why_not is not None:
+        out["why_not"] = why_not
+    recommended, out["search"] = _recommend(inputs, out["arithmetic"], searching=why_not is None)
+    counts = _counts(inputs, out, recommended)
+    started, cpu_started = time.perf_counter(), _cpu_s()
+    run = _final_run(inputs, list(inputs.shares), counts)
+    wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
+    for key in ("replicas_min", "replica_rps_full", "replica_rps_half"):
+        out[key] = out["arithmetic"][key]
+    out["p50_ms"] = run.summary.get("p50_ms")
+    out["p99_ms"] = run.summary.get("p99_ms")
+    out["simulated"] = _simulated(inputs, run, wall, cpu)
+    return out
+
+
+def _why_not(inputs: Inputs, arithmetic: dict[str, Any]) -> str | None:
+    """Why no count can do: a static batch longer than the budget (else None)."""
+    floor_ms = arithmetic["batch_ms_full"] + 15.0  # one full batch and the margin
     if inputs.policy == "static" and inputs.budget_ms < floor_ms:
-        out["why_not"] = (
+        return (
             f"a full batch takes {floor_ms - 15:.0f} ms on this engine: a budget of {inputs.budget_ms:.0f} ms "
             "(SLO less network) is below one batch, and admission answers 504 at once at any replica count"
         )
+    return None
+
+
+def _recommend(
+    inputs: Inputs, arithmetic: dict[str, Any], searching: bool
+) -> tuple[dict[str, int | None], dict[str, list[dict]]]:
+    """Each model's smallest count per surviving region that meets the SLO (None: none
+    found, or no search), and the counts each search tried."""
+    recommended: dict[str, int | None] = {}
+    searches: dict[str, list[dict]] = {name: [] for name in inputs.shares}
     tasks = []
-    for name, share in shares.items():
-        if "why_not" in out:
+    for name, share in inputs.shares.items():
+        if not searching:
             recommended[name] = None
             continue
         rps = inputs.rps * share / inputs.surviving
-        start = out["arithmetic"]["per_model"][name]["replicas_min"]
+        start = arithmetic["per_model"][name]["replicas_min"]
         tasks.append((inputs, name, rps, max(1, math.ceil(start / inputs.surviving))))
     for task, (count, tried) in zip(tasks, _searched(tasks, inputs.processes), strict=True):
         recommended[task[1]], searches[task[1]] = count, tried
-    out["search"] = searches
+    return recommended, searches
+
+
+def _counts(inputs: Inputs, out: dict[str, Any], recommended: dict[str, int | None]) -> list[int]:
+    """The counts per region the final run uses, by model (the arithmetic's where the search
+    found none), written into `out` with whether the SLO was met."""
     if any(r is None for r in recommended.values()):
         out["met"] = False
         out["replicas_per_region"] = None
         out["replicas"] = None
-        fallback = {n: r or out["arithmetic"]["per_model"][n]["per_region_one_lost"] for n, r in recommended.items()}
+        per_model = out["arithmetic"]["per_model"]
+        fallback = {n: r or per_model[n]["per_region_one_lost"] for n, r in recommended.items()}
     else:
         out["met"] = True
         fallback = {n: int(r) for n, r in recommended.items() if r is not None}
-    models = list(shares)
+    models = list(inputs.shares)
     counts = [fallback[n] for n in models]
     out["replicas_per_region_by_model"] = dict(zip(models, counts, strict=True))
     if out["met"]:
         out["replicas_per_region"] = sum(counts)
         out["replicas"] = sum(counts) * inputs.regions
-    # The final run: one surviving region carrying its share of the whole peak.
-    started, cpu_started = time.perf_counter(), _cpu_s()
+    return counts
+
+
+def _final_run(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """One surviving region carrying its share of the whole peak (or the whole fleet)."""
+    if inputs.scope == "fleet":
+        return _run_fleet(inputs, models, counts)
+    if all(c <= inputs.cell for c in counts):
+        return _run_region(inputs, models, counts)
+    return _run_cells(inputs, models, counts)
+
+
+def _run_fleet(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """Every region at its third of the peak, the first lost a third of the way in."""
+    loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
+    workload = make_workload(
+        inputs.rps,
+        inputs.sim_seconds,
+        profile=inputs.profile,
+        paid_fraction=inputs.paid_fraction,
+        model_shares=[inputs.shares[n] for n in models],
+        regions=inputs.regions,
+        seed=inputs.seed,
+    )
+    config = sim_config(inputs, counts, models, regions=inputs.regions)
+    config.region_loss_at_s = loss_at
+    processes = used_processes(config, inputs.processes or None)
+    result = simulate_split(config, workload, processes)
+    by_region = result.by_region(inputs.network_ms)
+    if loss_at is not None:
+        after = workload.t_ms >= loss_at * 1000.0
+        by_region["after_the_loss"] = result.summary(inputs.network_ms, after)
+        by_region["resent"] = {"requests": result.stats["resent"]}
+    scope = f"the whole fleet: {inputs.regions} regions at {inputs.rps:.0f} req/s" + (
+        f", region 0 lost at {loss_at:.0f} s" if loss_at is not None else ""
+    )
+    return _whole(inputs, models, result, scope, processes, by_region)
+
+
+def _run_region(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """One surviving region, every model's queue in one run."""
     region_rps = inputs.rps / inputs.surviving
-    by_region: dict[str, Any] | None = None
-    if inputs.scope == "fleet":  # every region at its third of the peak, the first lost a third of the way in
-        loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
-        workload = make_workload(
-            inputs.rps,
-            inputs.sim_seconds,
-            profile=inputs.profile,
-            paid_fraction=inputs.paid_fraction,
-            model_shares=[shares[n] for n in models],
-            regions=inputs.regions,
-            seed=inputs.seed,
-        )
-        config = sim_config(inputs, counts, models, regions=inputs.regions)
-        config.region_loss_at_s = loss_at
-        processes = used_processes(config, inputs.processes or None)
-        result = simulate_split(config, workload, processes)
-        summary = result.summary(inputs.network_ms)
-        num_requests, mean_batch = len(workload), result.mean_batch()
-        per_tier = result.by_tier(inputs.network_ms)
-        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
-        by_region = result.by_region(inputs.network_ms)
-        if loss_at is not None:
-            after = workload.t_ms >= loss_at * 1000.0
-            by_region["after_the_loss"] = result.summary(inputs.network_ms, after)
-            by_region["resent"] = {"requests": result.stats["resent"]}
-        scope = f"the whole fleet: {inputs.regions} regions at {inputs.rps:.0f} req/s" + (
-            f", region 0 lost at {loss_at:.0f} s" if loss_at is not None else ""
-        )
-    elif all(c <= inputs.cell for c in counts):
-        workload = make_workload(
-            region_rps,
-            inputs.sim_seconds,
-            profile=inputs.profile,
-            paid_fraction=inputs.paid_fraction,
-            model_shares=[shares[n] for n in models],
-            seed=inputs.seed,
-        )
-        config = sim_config(inputs, counts, models)
-        processes = used_processes(config, inputs.processes or None)
-        result = simulate_split(config, workload, processes)
-        summary = result.summary(inputs.network_ms)
-        num_requests, mean_batch = len(workload), result.mean_batch()
-        per_tier = result.by_tier(inputs.network_ms)
-        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
-        scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
-    else:  # each model's queue apart, as a cell; the overall figures are the worst model's
-        processes = 1  # the cells run one after the other
-        results = {
-            n: run_group(inputs, n, c, region_rps * shares[n], inputs.sim_seconds)
-            for n, c in zip(models, counts, strict=True)
-        }
-        per_model = {n: r.summary(inputs.network_ms) for n, r in results.items()}
-        worst = max(models, key=lambda n: per_model[n].get("p99_ms") or 0.0)
-        summary, per_tier = per_model[worst], results[worst].by_tier(inputs.network_ms)
-        num_requests = sum(len(r.workload) for r in results.values())
-        mean_batch = results[worst].mean_batch()
-        scope = (
-            f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
-            f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
-        )
-    wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
-    out["replicas_min"] = out["arithmetic"]["replicas_min"]
-    out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
-    out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]
-    out["p50_ms"] = summary.get("p50_ms")
-    out["p99_ms"] = summary.get("p99_ms")
-    out["simulated"] = {
-        "scope": scope
+    workload = make_workload(
+        region_rps,
+        inputs.sim_seconds,
+        profile=inputs.profile,
+        paid_fraction=inputs.paid_fraction,
+        model_shares=[inputs.shares[n] for n in models],
+        seed=inputs.seed,
+    )
+    config = sim_config(inputs, counts, models)
+    processes = used_processes(config, inputs.processes or None)
+    result = simulate_split(config, workload, processes)
+    scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
+    return _whole(inputs, models, result, scope, processes)
+
+
+def _whole(
+    inputs: Inputs,
+    models: list[str],
+    result: SimResult,
+    scope: str,
+    processes: int,
+    by_region: dict[str, Any] | None = None,
+) -> FinalRun:
+    """A run of every model's queue together, summarised."""
+    workload = result.workload
+    return FinalRun(
+        summary=result.summary(inputs.network_ms),
+        per_tier=result.by_tier(inputs.network_ms),
+        per_model={n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)},
+        num_requests=len(workload),
+        mean_batch=result.mean_batch(),
+        scope=scope,
+        processes=processes,
+        by_region=by_region,
+    )
+
+
+def _run_cells(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """Each model's queue apart, as a cell, one after the other; the overall figures are
+    the worst model's."""
+    region_rps = inputs.rps / inputs.surviving
+    results = {
+        n: run_group(inputs, n, c, region_rps * inputs.shares[n], inputs.sim_seconds)
+        for n, c in zip(models, counts, strict=True)
+    }
+    per_model = {n: r.summary(inputs.network_ms) for n, r in results.items()}
+    worst = max(models, key=lambda n: per_model[n].get("p99_ms") or 0.0)
+    scope = (
+        f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
+        f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
+    )
+    return FinalRun(
+        summary=per_model[worst],
+        per_tier=results[worst].by_tier(inputs.network_ms),
+        per_model=per_model,
+        num_requests=sum(len(r.workload) for r in results.values()),
+        mean_batch=results[worst].mean_batch(),
+        scope=scope,
+        processes=1,
+    )
+
+
+def _simulated(inputs: Inputs, run: FinalRun, wall: float, cpu: float) -> dict[str, Any]:
+    """The final run's section of the plan."""
+    simulated = {
+        "scope": run.scope
         if inputs.scope == "fleet"
-        else f"{scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
+        else f"{run.scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
         "policy": inputs.policy,
         "seconds": inputs.sim_seconds,
-        "requests": num_requests,
+        "requests": run.num_requests,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),  # the wall time on a core of its own
-        "processes": processes,
-        "requests_per_wall_s": round(num_requests / wall),
-        "mean_batch": round(mean_batch, 2),
-        **summary,
-        "per_tier": per_tier,
-        "per_model": per_model,
+        "processes": run.processes,
+        "requests_per_wall_s": round(run.num_requests / wall),
+        "mean_batch": round(run.mean_batch, 2),
+        **run.summary,
+        "per_tier": run.per_tier,
+        "per_model": run.per_model,
     }
-    if by_region is not None:
-        out["simulated"]["per_region"] = by_region
-    return out
+    if run.by_region is not None:
+        simulated["per_region"] = run.by_region
+    return simulated
 
 
 def load_curve(inputs: Inputs, model: str, replicas: int, loads: list[float]) -> list[dict]:
