@@ -37,7 +37,9 @@ from control.chaos.idle import IdleSpec, print_idle, run_idle
 from control.core.memory import collector_paused
 from control.core.settings import Settings
 from control.core.vocab import PAID, Backend, Policy
-from control.load.loadgen import LoadSpec, Record, percentile, run_spec
+from control.load.generator import run_spec
+from control.load.spec import LoadSpec, Record
+from control.load.summary import percentile
 
 log = logging.getLogger(__name__)
 
