@@ -111,7 +111,7 @@ def _add_tool_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
     add_model_args(sub.add_parser("model", help="build the local code models, or measure their quality"))
 
-    from control.sim.capacity import add_capacity_args
+    from control.sim.capacity_cli import add_capacity_args
 
     add_capacity_args(sub.add_parser("capacity", help="capacity arithmetic and simulation at any request rate"))
 
@@ -336,7 +336,7 @@ def _chaos(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _capacity(settings: Settings, args: argparse.Namespace) -> int:
-    from control.sim.capacity import run_capacity
+    from control.sim.capacity_cli import run_capacity
 
     return run_capacity(args)
 

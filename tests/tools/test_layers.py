@@ -55,6 +55,7 @@ POLICY = (
     "control.sim.states",
     "control.sim.workload",
     "control.sim.capacity",
+    "control.sim.capacity_cli",
     "control.sim.split",
     "api.server.conntable",
 )
