@@ -38,7 +38,8 @@ import redis
 from control.bench.harness import FREE_KEY, MODEL, PAID_KEY, Deployment, child_env
 from control.broker import keys, scripts
 from control.fleet.valkey import EmbeddedBroker
-from control.load.loadgen import LoadSpec, generate
+from control.load.generator import generate
+from control.load.spec import LoadSpec
 
 WARMUP_S = 3.0
 SCRIPTS = {name: source for name, source in scripts.SOURCES.items() if name != "RESCUE"}

@@ -21,7 +21,8 @@ from pathlib import Path
 import psutil
 
 from control.bench.harness import Deployment
-from control.load.loadgen import LoadSpec, generate
+from control.load.generator import generate
+from control.load.spec import LoadSpec
 
 MODELS = ("kb-small", "kb-large")
 

@@ -22,7 +22,9 @@ from pathlib import Path
 import psutil
 
 from control.bench.harness import MODEL, Deployment
-from control.load.loadgen import LoadSpec, generate, summarize
+from control.load.generator import generate
+from control.load.spec import LoadSpec
+from control.load.summary import summarize
 
 WARMUP_S = 3.0
 

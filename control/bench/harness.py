@@ -303,7 +303,8 @@ def fixed_fleet(
 ) -> Iterator[tuple[str, str, Settings]]:
     """Fixed-latency replicas of the first configured model, warmed by 2 s of load: the
     gateway's URL, the model, and the settings the deployment runs (its broker's URL in them)."""
-    from control.load.loadgen import LoadSpec, generate
+    from control.load.generator import generate
+    from control.load.spec import LoadSpec
 
     model = next(iter(Settings().models))
     settings = {"max_batch": str(max_batch)} if max_batch is not None else {}
@@ -317,7 +318,8 @@ def fixed_fleet(
 def hf_fleet(workers: int, policy: Policy, model: str, paid_key: str, free_key: str, **settings: str) -> Iterator[str]:
     """Replicas of the real model under `policy`, warmed; the gateway's URL. While it runs,
     this process's KEYBATCH_REDIS_URL is its broker (what `Settings().state_url` reads)."""
-    from control.load.loadgen import LoadSpec, generate
+    from control.load.generator import generate
+    from control.load.spec import LoadSpec
 
     plan = Plan(workers=workers, backend="hf", policy=policy, models=[model], port=free_port(), quiet=True)
     with in_process(plan, {paid_key: PAID, free_key: FREE}, settings) as system:

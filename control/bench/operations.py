@@ -30,7 +30,9 @@ from control.bench.report import counts, figure_table, ms, outcome, print_table,
 from control.core.memory import collector_paused
 from control.core.settings import Settings
 from control.fleet.operator import Operator, OperatorError
-from control.load.loadgen import LoadSpec, Record, generate, percentile, run_spec
+from control.load.generator import generate, run_spec
+from control.load.spec import LoadSpec, Record
+from control.load.summary import percentile
 
 OTHER_MODEL = "kb-large"
 PAID_KEY, FREE_KEY = "ops-paid", "ops-free"

@@ -46,8 +46,9 @@ from control.bench.harness import hf_fleet
 from control.core.memory import collector_paused
 from control.core.procs import free_port
 from control.core.settings import Settings
+from control.load.generator import generate, run_spec
 from control.load.httpclient import Client
-from control.load.loadgen import LoadSpec, Record, generate, run_spec
+from control.load.spec import LoadSpec, Record
 
 PEER_INSTALL = "pip install -e .[peer]"
 PEER_MODULES = ("fastapi", "uvicorn", "openai")  # transformers serve refuses to start without them

@@ -23,7 +23,9 @@ from typing import Any
 from control.bench.harness import Deployment, child_env
 from control.core.settings import Settings
 from control.fleet.operator import Operator
-from control.load.loadgen import LoadSpec, Record, generate, percentile
+from control.load.generator import generate
+from control.load.spec import LoadSpec, Record
+from control.load.summary import percentile
 from control.policy.rebalance import RebalanceConfig
 
 SMALL, LARGE = "kb-small", "kb-large"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from control.load.loadgen import Record
+    from control.load.spec import Record
 
 
 def figure_table(title: str) -> Table:

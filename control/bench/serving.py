@@ -15,7 +15,10 @@ from typing import Any
 
 from control.bench.harness import fixed_fleet, hf_fleet
 from control.core.settings import Settings
-from control.load.loadgen import LoadSpec, generate, print_summary, summarize
+from control.load.generator import generate
+from control.load.printing import print_summary
+from control.load.spec import LoadSpec
+from control.load.summary import summarize
 
 PAID_KEY, FREE_KEY = "bench-paid", "bench-free"
 

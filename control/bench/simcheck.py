@@ -42,8 +42,15 @@ from control.bench.harness import fixed_fleet, hf_fleet
 from control.bench.serving import FREE_KEY, PAID_KEY
 from control.core.settings import Settings
 from control.fleet.operator import Operator
-from control.load.loadgen import LoadSpec, Record, generate, summarize
-from control.sim.simulate import CONTEXT_TOKENS, OK, CostModel, SimConfig, SimResult, Workload, make_workload, simulate
+from control.load.generator import generate
+from control.load.spec import LoadSpec, Record
+from control.load.summary import summarize
+from control.sim.config import SimConfig
+from control.sim.cost import CONTEXT_TOKENS, CostModel
+from control.sim.result import SimResult
+from control.sim.simulate import simulate
+from control.sim.states import OK
+from control.sim.workload import Workload, make_workload
 
 
 def _pulls(s: Settings) -> tuple[int, int]:

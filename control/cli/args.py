@@ -156,7 +156,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="draw latency, offered rate and answers other than 200 over time (PNG)")
 
 
-CHAOS_SCENARIOS = {  # control/chaos/run.py has one fault for each
+CHAOS_SCENARIOS = {  # control/chaos/faults.py has one fault for each
     "replica-kill": "SIGKILL a replica while it runs a batch",
     "replica-hang": "SIGSTOP a replica for 5 s, then SIGCONT",
     "broker-stall": "SIGSTOP the broker for 5 s, then SIGCONT",

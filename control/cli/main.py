@@ -28,7 +28,15 @@ def _settings_help() -> str:
 def _parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="keybatch", description="Batched code-completion serving.")
     sub = top.add_subparsers(dest="command", required=True)
+    _add_serving_commands(sub)
+    _add_bench_commands(sub)
+    _add_tool_commands(sub)
+    _add_watching_commands(sub)
+    return top
 
+
+def _add_serving_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """up, api, worker: the processes that serve."""
     up = sub.add_parser(
         "up",
         help="broker, replicas and gateway in the foreground",
@@ -50,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", default=None, help="replica name (default MODEL-PID@HOST)")
     worker.add_argument("--loglevel", default="INFO")
 
+
+def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """bench ...: the benchmarks that print figures."""
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from control.cli.args import (
@@ -57,7 +68,6 @@ def _parser() -> argparse.ArgumentParser:
         add_dash_bench_args,
         add_engine_bench_args,
         add_gateway_cpu_args,
-        add_load_args,
         add_ops_bench_args,
         add_peer_args,
         add_policies_args,
@@ -86,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     add_ops_bench_args(
         bench_sub.add_parser("ops", help="drain and move a replica under load: nothing lost, how long, p99")
     )
+
+
+def _add_tool_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """load, chaos, model, capacity and the fleet's commands."""
+    from control.cli.args import add_load_args
+
     add_load_args(sub.add_parser("load", help="open-loop load against a running gateway"))
     from control.cli.args import add_chaos_args
 
@@ -95,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_model_args(sub.add_parser("model", help="build the local code models, or measure their quality"))
 
-    from control.sim.capacity import add_capacity_args
+    from control.sim.capacity_cli import add_capacity_args
 
     add_capacity_args(sub.add_parser("capacity", help="capacity arithmetic and simulation at any request rate"))
 
@@ -103,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_fleet_args(sub)
 
+
+def _add_watching_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """dash, flower: watching a running fleet."""
     dash = sub.add_parser("dash", help="the operators' terminal dashboard (Textual)")
     dash.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the fleet")
     dash.add_argument("--slo-ms", type=float, default=600.0, help="the end-to-end p99 the fleet promises")
@@ -120,7 +139,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="user:password (or set FLOWER_BASIC_AUTH); required off loopback; on loopback one is generated",
     )
-    return top
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +336,7 @@ def _chaos(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _capacity(settings: Settings, args: argparse.Namespace) -> int:
-    from control.sim.capacity import run_capacity
+    from control.sim.capacity_cli import run_capacity
 
     return run_capacity(args)
 

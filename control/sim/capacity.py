@@ -7,33 +7,26 @@ is lost and the others carry all the traffic.
 Regions share nothing and each model has its own queue, so one surviving region's queue
 of one model is simulated at its share of the peak and the fleet is that group times
 the regions and models (the groups are alike: no traffic crosses between them).
+control/sim/capacity_cli.py reads the command's arguments and prints the plan.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import multiprocessing
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from control.core.vocab import POLICIES, ArrivalProfile
-from control.sim.simulate import (
-    CONTEXT_TOKENS,
-    MEAN_OUTPUT_TOKENS,
-    PROFILES,
-    CostModel,
-    SimConfig,
-    SimResult,
-    make_workload,
-    simulate,
-)
+from control.core.vocab import ArrivalProfile
+from control.sim.config import SimConfig
+from control.sim.cost import CONTEXT_TOKENS, MEAN_OUTPUT_TOKENS, CostModel
+from control.sim.result import SimResult
+from control.sim.simulate import simulate
 from control.sim.split import simulate_split, used_processes
+from control.sim.workload import make_workload
 
 
 @dataclass
@@ -245,132 +238,214 @@ def _searched(tasks: list[tuple[Inputs, str, float, int]], processes: int) -> li
         return pool.starmap(search, tasks, chunksize=1)
 
 
+@dataclass
+class FinalRun:
+    """The final run's figures, whichever way it ran (the fleet, one region, or cells)."""
+
+    summary: dict[str, Any]
+    per_tier: dict[str, Any]
+    per_model: dict[str, Any]
+    num_requests: int
+    mean_batch: float
+    scope: str
+    processes: int
+    by_region: dict[str, Any] | None = None
+
+
 def plan(inputs: Inputs) -> dict[str, Any]:
     """Arithmetic, the search per model, and a final run of one surviving region at the
     recommended counts for `sim_seconds`."""
     out: dict[str, Any] = {"inputs": _inputs_json(inputs), "arithmetic": arithmetic(inputs)}
-    shares = inputs.shares
-    recommended: dict[str, int | None] = {}
-    searches: dict[str, list[dict]] = {name: [] for name in shares}
-    floor_ms = out["arithmetic"]["batch_ms_full"] + 15.0  # one full batch and the margin
+    why_not = _why_not(inputs, out["arithmetic"])
+    if why_not is not None:
+        out["why_not"] = why_not
+    recommended, out["search"] = _recommend(inputs, out["arithmetic"], searching=why_not is None)
+    counts = _counts(inputs, out, recommended)
+    started, cpu_started = time.perf_counter(), _cpu_s()
+    run = _final_run(inputs, list(inputs.shares), counts)
+    wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
+    for key in ("replicas_min", "replica_rps_full", "replica_rps_half"):
+        out[key] = out["arithmetic"][key]
+    out["p50_ms"] = run.summary.get("p50_ms")
+    out["p99_ms"] = run.summary.get("p99_ms")
+    out["simulated"] = _simulated(inputs, run, wall, cpu)
+    return out
+
+
+def _why_not(inputs: Inputs, arithmetic: dict[str, Any]) -> str | None:
+    """Why no count can do: a static batch longer than the budget (else None)."""
+    floor_ms = arithmetic["batch_ms_full"] + 15.0  # one full batch and the margin
     if inputs.policy == "static" and inputs.budget_ms < floor_ms:
-        out["why_not"] = (
+        return (
             f"a full batch takes {floor_ms - 15:.0f} ms on this engine: a budget of {inputs.budget_ms:.0f} ms "
             "(SLO less network) is below one batch, and admission answers 504 at once at any replica count"
         )
+    return None
+
+
+def _recommend(
+    inputs: Inputs, arithmetic: dict[str, Any], searching: bool
+) -> tuple[dict[str, int | None], dict[str, list[dict]]]:
+    """Each model's smallest count per surviving region that meets the SLO (None: none
+    found, or no search), and the counts each search tried."""
+    recommended: dict[str, int | None] = {}
+    searches: dict[str, list[dict]] = {name: [] for name in inputs.shares}
     tasks = []
-    for name, share in shares.items():
-        if "why_not" in out:
+    for name, share in inputs.shares.items():
+        if not searching:
             recommended[name] = None
             continue
         rps = inputs.rps * share / inputs.surviving
-        start = out["arithmetic"]["per_model"][name]["replicas_min"]
+        start = arithmetic["per_model"][name]["replicas_min"]
         tasks.append((inputs, name, rps, max(1, math.ceil(start / inputs.surviving))))
     for task, (count, tried) in zip(tasks, _searched(tasks, inputs.processes), strict=True):
         recommended[task[1]], searches[task[1]] = count, tried
-    out["search"] = searches
+    return recommended, searches
+
+
+def _counts(inputs: Inputs, out: dict[str, Any], recommended: dict[str, int | None]) -> list[int]:
+    """The counts per region the final run uses, by model (the arithmetic's where the search
+    found none), written into `out` with whether the SLO was met."""
     if any(r is None for r in recommended.values()):
         out["met"] = False
         out["replicas_per_region"] = None
         out["replicas"] = None
-        fallback = {n: r or out["arithmetic"]["per_model"][n]["per_region_one_lost"] for n, r in recommended.items()}
+        per_model = out["arithmetic"]["per_model"]
+        fallback = {n: r or per_model[n]["per_region_one_lost"] for n, r in recommended.items()}
     else:
         out["met"] = True
         fallback = {n: int(r) for n, r in recommended.items() if r is not None}
-    models = list(shares)
+    models = list(inputs.shares)
     counts = [fallback[n] for n in models]
     out["replicas_per_region_by_model"] = dict(zip(models, counts, strict=True))
     if out["met"]:
         out["replicas_per_region"] = sum(counts)
         out["replicas"] = sum(counts) * inputs.regions
-    # The final run: one surviving region carrying its share of the whole peak.
-    started, cpu_started = time.perf_counter(), _cpu_s()
+    return counts
+
+
+def _final_run(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """One surviving region carrying its share of the whole peak (or the whole fleet)."""
+    if inputs.scope == "fleet":
+        return _run_fleet(inputs, models, counts)
+    if all(c <= inputs.cell for c in counts):
+        return _run_region(inputs, models, counts)
+    return _run_cells(inputs, models, counts)
+
+
+def _run_fleet(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """Every region at its third of the peak, the first lost a third of the way in."""
+    loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
+    workload = make_workload(
+        inputs.rps,
+        inputs.sim_seconds,
+        profile=inputs.profile,
+        paid_fraction=inputs.paid_fraction,
+        model_shares=[inputs.shares[n] for n in models],
+        regions=inputs.regions,
+        seed=inputs.seed,
+    )
+    config = sim_config(inputs, counts, models, regions=inputs.regions)
+    config.region_loss_at_s = loss_at
+    processes = used_processes(config, inputs.processes or None)
+    result = simulate_split(config, workload, processes)
+    by_region = result.by_region(inputs.network_ms)
+    if loss_at is not None:
+        after = workload.t_ms >= loss_at * 1000.0
+        by_region["after_the_loss"] = result.summary(inputs.network_ms, after)
+        by_region["resent"] = {"requests": result.stats["resent"]}
+    scope = f"the whole fleet: {inputs.regions} regions at {inputs.rps:.0f} req/s" + (
+        f", region 0 lost at {loss_at:.0f} s" if loss_at is not None else ""
+    )
+    return _whole(inputs, models, result, scope, processes, by_region)
+
+
+def _run_region(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """One surviving region, every model's queue in one run."""
     region_rps = inputs.rps / inputs.surviving
-    by_region: dict[str, Any] | None = None
-    if inputs.scope == "fleet":  # every region at its third of the peak, the first lost a third of the way in
-        loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
-        workload = make_workload(
-            inputs.rps,
-            inputs.sim_seconds,
-            profile=inputs.profile,
-            paid_fraction=inputs.paid_fraction,
-            model_shares=[shares[n] for n in models],
-            regions=inputs.regions,
-            seed=inputs.seed,
-        )
-        config = sim_config(inputs, counts, models, regions=inputs.regions)
-        config.region_loss_at_s = loss_at
-        processes = used_processes(config, inputs.processes or None)
-        result = simulate_split(config, workload, processes)
-        summary = result.summary(inputs.network_ms)
-        num_requests, mean_batch = len(workload), result.mean_batch()
-        per_tier = result.by_tier(inputs.network_ms)
-        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
-        by_region = result.by_region(inputs.network_ms)
-        if loss_at is not None:
-            after = workload.t_ms >= loss_at * 1000.0
-            by_region["after_the_loss"] = result.summary(inputs.network_ms, after)
-            by_region["resent"] = {"requests": result.stats["resent"]}
-        scope = f"the whole fleet: {inputs.regions} regions at {inputs.rps:.0f} req/s" + (
-            f", region 0 lost at {loss_at:.0f} s" if loss_at is not None else ""
-        )
-    elif all(c <= inputs.cell for c in counts):
-        workload = make_workload(
-            region_rps,
-            inputs.sim_seconds,
-            profile=inputs.profile,
-            paid_fraction=inputs.paid_fraction,
-            model_shares=[shares[n] for n in models],
-            seed=inputs.seed,
-        )
-        config = sim_config(inputs, counts, models)
-        processes = used_processes(config, inputs.processes or None)
-        result = simulate_split(config, workload, processes)
-        summary = result.summary(inputs.network_ms)
-        num_requests, mean_batch = len(workload), result.mean_batch()
-        per_tier = result.by_tier(inputs.network_ms)
-        per_model = {n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)}
-        scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
-    else:  # each model's queue apart, as a cell; the overall figures are the worst model's
-        processes = 1  # the cells run one after the other
-        results = {
-            n: run_group(inputs, n, c, region_rps * shares[n], inputs.sim_seconds)
-            for n, c in zip(models, counts, strict=True)
-        }
-        per_model = {n: r.summary(inputs.network_ms) for n, r in results.items()}
-        worst = max(models, key=lambda n: per_model[n].get("p99_ms") or 0.0)
-        summary, per_tier = per_model[worst], results[worst].by_tier(inputs.network_ms)
-        num_requests = sum(len(r.workload) for r in results.values())
-        mean_batch = results[worst].mean_batch()
-        scope = (
-            f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
-            f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
-        )
-    wall, cpu = time.perf_counter() - started, _cpu_s() - cpu_started
-    out["replicas_min"] = out["arithmetic"]["replicas_min"]
-    out["replica_rps_full"] = out["arithmetic"]["replica_rps_full"]
-    out["replica_rps_half"] = out["arithmetic"]["replica_rps_half"]
-    out["p50_ms"] = summary.get("p50_ms")
-    out["p99_ms"] = summary.get("p99_ms")
-    out["simulated"] = {
-        "scope": scope
+    workload = make_workload(
+        region_rps,
+        inputs.sim_seconds,
+        profile=inputs.profile,
+        paid_fraction=inputs.paid_fraction,
+        model_shares=[inputs.shares[n] for n in models],
+        seed=inputs.seed,
+    )
+    config = sim_config(inputs, counts, models)
+    processes = used_processes(config, inputs.processes or None)
+    result = simulate_split(config, workload, processes)
+    scope = f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s)"
+    return _whole(inputs, models, result, scope, processes)
+
+
+def _whole(
+    inputs: Inputs,
+    models: list[str],
+    result: SimResult,
+    scope: str,
+    processes: int,
+    by_region: dict[str, Any] | None = None,
+) -> FinalRun:
+    """A run of every model's queue together, summarised."""
+    workload = result.workload
+    return FinalRun(
+        summary=result.summary(inputs.network_ms),
+        per_tier=result.by_tier(inputs.network_ms),
+        per_model={n: result.summary(inputs.network_ms, workload.model == k) for k, n in enumerate(models)},
+        num_requests=len(workload),
+        mean_batch=result.mean_batch(),
+        scope=scope,
+        processes=processes,
+        by_region=by_region,
+    )
+
+
+def _run_cells(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """Each model's queue apart, as a cell, one after the other; the overall figures are
+    the worst model's."""
+    region_rps = inputs.rps / inputs.surviving
+    results = {
+        n: run_group(inputs, n, c, region_rps * inputs.shares[n], inputs.sim_seconds)
+        for n, c in zip(models, counts, strict=True)
+    }
+    per_model = {n: r.summary(inputs.network_ms) for n, r in results.items()}
+    worst = max(models, key=lambda n: per_model[n].get("p99_ms") or 0.0)
+    scope = (
+        f"one of {inputs.surviving} surviving regions ({region_rps:.0f} req/s), each model's queue as a cell of "
+        f"{inputs.cell} replicas at its per-replica rate; overall figures are the worst model's ({worst})"
+    )
+    return FinalRun(
+        summary=per_model[worst],
+        per_tier=results[worst].by_tier(inputs.network_ms),
+        per_model=per_model,
+        num_requests=sum(len(r.workload) for r in results.values()),
+        mean_batch=results[worst].mean_batch(),
+        scope=scope,
+        processes=1,
+    )
+
+
+def _simulated(inputs: Inputs, run: FinalRun, wall: float, cpu: float) -> dict[str, Any]:
+    """The final run's section of the plan."""
+    simulated = {
+        "scope": run.scope
         if inputs.scope == "fleet"
-        else f"{scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
+        else f"{run.scope}; regions and model queues share nothing, so the fleet is this times {inputs.regions}",
         "policy": inputs.policy,
         "seconds": inputs.sim_seconds,
-        "requests": num_requests,
+        "requests": run.num_requests,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),  # the wall time on a core of its own
-        "processes": processes,
-        "requests_per_wall_s": round(num_requests / wall),
-        "mean_batch": round(mean_batch, 2),
-        **summary,
-        "per_tier": per_tier,
-        "per_model": per_model,
+        "processes": run.processes,
+        "requests_per_wall_s": round(run.num_requests / wall),
+        "mean_batch": round(run.mean_batch, 2),
+        **run.summary,
+        "per_tier": run.per_tier,
+        "per_model": run.per_model,
     }
-    if by_region is not None:
-        out["simulated"]["per_region"] = by_region
-    return out
+    if run.by_region is not None:
+        simulated["per_region"] = run.by_region
+    return simulated
 
 
 def load_curve(inputs: Inputs, model: str, replicas: int, loads: list[float]) -> list[dict]:
@@ -397,161 +472,3 @@ def _inputs_json(inputs: Inputs) -> dict[str, Any]:
     fields = {k: v for k, v in vars(inputs).items() if k != "cost"}
     fields["cost_model"] = inputs.cost.name if inputs.cost else None
     return fields
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def add_capacity_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rps", type=float, default=40_000.0, help="peak requests per second, worldwide")
-    parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--batch-ms", type=float, default=250.0, help="fixed time of any batch")
-    parser.add_argument("--cost-model", default=None, help="engine curve JSON (docs/bench/engine-*.json) instead")
-    parser.add_argument("--slo-ms", type=float, default=600.0, help="p99 end to end, network included")
-    parser.add_argument("--network-ms", type=float, default=60.0, help="client <-> gateway round trip")
-    parser.add_argument("--headroom", type=float, default=0.2)
-    parser.add_argument("--regions", type=int, default=3, help="survive losing one of them")
-    parser.add_argument("--paid-fraction", type=float, default=0.2)
-    parser.add_argument("--models", default="kb-small=0.8,kb-large=0.2")
-    parser.add_argument("--policy", choices=POLICIES, default="static", help="continuous: needs --cost-model")
-    parser.add_argument(
-        "--scope",
-        choices=["region", "fleet"],
-        default="region",
-        help="final run: one surviving region (default), or every region with one lost a third of the way in",
-    )
-    parser.add_argument("--cell", type=int, default=128, help="simulate a bigger queue as this many replicas, scaled")
-    parser.add_argument(
-        "--processes", type=int, default=0, help="run the final simulation's model queues in parallel (0: one per core)"
-    )
-    parser.add_argument("--profile", choices=PROFILES, default="poisson", help="arrivals")
-    parser.add_argument("--sim-seconds", type=float, default=60.0, help="simulated time of the final run")
-    parser.add_argument("--search-seconds", type=float, default=20.0, help="simulated time of each search run")
-    parser.add_argument("--max-queue-free", type=int, default=10**9, help="admission's cap (live: MAX_QUEUE_FREE)")
-    parser.add_argument("--max-queue-paid", type=int, default=10**9, help="admission's cap (live: MAX_QUEUE_PAID)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
-
-
-def run_capacity(args: argparse.Namespace) -> int:
-    try:
-        cost = CostModel.from_file(args.cost_model) if args.cost_model else None
-        inputs = Inputs(
-            rps=args.rps,
-            max_batch=args.max_batch,
-            batch_ms=args.batch_ms,
-            cost=cost,
-            slo_ms=args.slo_ms,
-            network_ms=args.network_ms,
-            headroom=args.headroom,
-            regions=args.regions,
-            paid_fraction=args.paid_fraction,
-            models=parse_models(args.models),
-            sim_seconds=args.sim_seconds,
-            search_seconds=min(args.search_seconds, args.sim_seconds),
-            profile=args.profile,
-            seed=args.seed,
-            max_queue_paid=args.max_queue_paid,
-            max_queue_free=args.max_queue_free,
-            policy=args.policy,
-            scope=args.scope,
-            cell=args.cell,
-            processes=args.processes,
-        )
-    except (OSError, ValueError) as exc:
-        print(f"keybatch capacity: {exc}", file=sys.stderr)
-        return 2
-    out = plan(inputs)
-    if args.plot:
-        first = next(iter(inputs.shares))
-        count = out["replicas_per_region_by_model"][first]
-        out["load_curve"] = {first: load_curve(inputs, first, count, [0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4])}
-        counts = sorted({max(1, round(count * f)) for f in (0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0)})
-        out["replica_curve"] = {first: replica_curve(inputs, first, counts)}
-        _plot(out, first, args.plot)
-    if args.json:
-        print(json.dumps(out, indent=2, default=float))
-    else:
-        _print(out)
-    return 0
-
-
-def _print(out: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    a, i = out["arithmetic"], out["inputs"]
-    table = Table(title=f"Arithmetic at {i['rps']:,.0f} req/s (batch {i['max_batch']} in {a['batch_ms_full']} ms)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    table.add_row("one replica, full batches (req/s)", f"{a['replica_rps_full']:.1f}")
-    table.add_row("one replica, half-full batches (req/s)", f"{a['replica_rps_half']:.1f}")
-    table.add_row("replicas at 100% utilization", f"{a['replicas_exact']} -> {a['replicas_min']}")
-    table.add_row(f"with {i['headroom']:.0%} headroom", str(a["replicas_with_headroom"]))
-    table.add_row(f"per region, {i['regions']} regions, normal", str(a["per_region_normal"]))
-    table.add_row("per region, one region lost (survivors carry all)", str(a["per_region_one_lost"]))
-    table.add_row("fleet by arithmetic", str(a["replicas_arithmetic"]))
-    console.print(table)
-    sim = out["simulated"]
-    table = Table(title=f"Simulated: {sim['scope']}, {sim['seconds']:.0f} s")
-    for col in ("", "replicas/region", "p50 ms", "p99 ms", "queue p50 ms", "queue p99 ms", "answered 200"):
-        table.add_column(col, justify="right")
-    for name, s in sim["per_model"].items():
-        count = out["replicas_per_region_by_model"][name]
-        table.add_row(name, str(count), *_cells(s))
-    for tier, s in sim["per_tier"].items():
-        table.add_row(tier, "", *_cells(s))
-    console.print(table)
-    verdict = (
-        f"recommended: {out['replicas_per_region']} replicas per region, {out['replicas']} in all "
-        f"(p99 {out['p99_ms']} ms with the network, SLO {i['slo_ms']:.0f} ms, one region lost)"
-        if out["met"]
-        else "no replica count searched met the SLO: see the search figures (--json)"
-    )
-    console.print(verdict)
-    console.print(
-        f"simulation: {sim['requests']:,} requests in {sim['wall_s']} s of wall time ({sim['cpu_s']} s of CPU)"
-    )
-
-
-def _cells(s: dict[str, Any]) -> list[str]:
-    return [
-        str(s.get("p50_ms", "-")),
-        str(s.get("p99_ms", "-")),
-        str(s.get("queue_p50_ms", "-")),
-        str(s.get("queue_p99_ms", "-")),
-        f"{s['answered_200_share']:.2%}",
-    ]
-
-
-def _plot(out: dict[str, Any], model: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    slo = out["inputs"]["slo_ms"]
-    panels = (
-        (left, out["replica_curve"][model], "replicas", f"{model} replicas per region, one region lost"),
-        (
-            right,
-            out["load_curve"][model],
-            "load",
-            f"offered load (x design rate), {out['replicas_per_region_by_model'][model]} replicas",
-        ),
-    )
-    for axis, points, key, label in panels:
-        shown = [p for p in points if p["p99_ms"] is not None]
-        axis.plot([p[key] for p in shown], [p["p99_ms"] for p in shown], marker="o", label="p99 end to end")
-        axis.axhline(slo, color="red", linestyle="--", label="SLO")
-        axis.set_xlabel(label)
-        axis.set_ylabel("p99 end to end (ms)")
-        share = axis.twinx()  # admission holds the p99 under the budget: what it refuses shows here
-        share.plot([p[key] for p in points], [100 * p["answered_200_share"] for p in points], color="green", marker="x")
-        share.set_ylabel("answered 200 (%)", color="green")
-        axis.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path)

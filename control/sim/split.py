@@ -24,7 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from control.sim.simulate import SimConfig, SimResult, Simulation, Workload
+from control.sim.config import SimConfig
+from control.sim.result import SimResult
+from control.sim.simulate import Simulation
+from control.sim.workload import Workload
 
 _SEED = 4242  # the draw that spreads the lost region's requests
 

@@ -14,7 +14,9 @@ import requests
 
 from control.broker import keys
 from control.core import protocol as p
-from control.load.loadgen import LoadSpec, TenantLoad, generate_tenants, summarize
+from control.load.generator import generate_tenants
+from control.load.spec import LoadSpec, TenantLoad
+from control.load.summary import summarize
 from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment, deployment, held_counts
 from tests.support.waiting import until
 

@@ -12,19 +12,13 @@ import numpy as np
 import pytest
 
 from control.cli.main import main
-from control.load.loadgen import (
-    LoadSpec,
-    Record,
-    completions_path,
-    mix_at,
-    parse_mix,
-    plot,
-    report,
-    schedule,
-    under_slo_from,
-)
+from control.load.generator import completions_path
+from control.load.printing import plot
+from control.load.schedule import mix_at, schedule
+from control.load.spec import LoadSpec, Record, parse_mix
+from control.load.summary import report, under_slo_from
 from control.load.workloads import typing_sessions
-from control.sim.simulate import make_workload
+from control.sim.workload import make_workload
 from tests.support.deploy import FREE_KEY, PAID_KEY, deployment
 
 PNG = b"\x89PNG\r\n\x1a\n"

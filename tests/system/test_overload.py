@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from control.load.loadgen import LoadSpec, generate, summarize
+from control.load.generator import generate
+from control.load.spec import LoadSpec
+from control.load.summary import summarize
 from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, deployment
 
 

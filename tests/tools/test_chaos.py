@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from control.chaos.run import FAULTS
+from control.chaos.faults import FAULTS
 from control.cli.args import CHAOS_SCENARIOS
 from tests.support.waiting import drop_kept_logs
 

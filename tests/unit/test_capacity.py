@@ -9,7 +9,7 @@ import pytest
 
 from control.cli.main import main
 from control.sim.capacity import Inputs, arithmetic, parse_models, plan
-from control.sim.simulate import CostModel
+from control.sim.cost import CostModel
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from control.policy import admission
-from control.sim import simulate as sim
-from control.sim.simulate import CANCELLED, EXPIRED, LATE, OK, REFUSED, SimConfig, Simulation, make_workload, simulate
+from control.sim import gateway as sim_gateway
+from control.sim import group as sim_group
+from control.sim.config import SimConfig
+from control.sim.cost import CostModel
+from control.sim.simulate import Simulation, simulate
+from control.sim.states import CANCELLED, EXPIRED, LATE, OK, REFUSED
+from control.sim.workload import make_workload
 from tasks.policy.collector import Collector
 from tasks.policy.pullgate import PullGate
 
@@ -25,7 +30,7 @@ def test_the_policy_objects_are_the_live_ones() -> None:
     replica = run.groups[0].replicas[0]
     assert type(replica.collector) is Collector
     assert type(replica.gate) is PullGate
-    assert sim.admission is admission
+    assert sim_group.admission is admission and sim_gateway.admission is admission
 
 
 def test_low_load_waits_max_wait_then_one_batch() -> None:
@@ -104,7 +109,6 @@ def test_region_loss_sends_what_was_in_flight_to_the_others() -> None:
 
 
 def test_continuous_policy_runs_the_live_scheduler_and_beats_static_on_the_engine_curve() -> None:
-    from control.sim.simulate import CostModel
     from tasks.policy.scheduler import ContinuousScheduler
 
     cost = CostModel.from_file("docs/bench/engine-small.json")
@@ -127,8 +131,6 @@ def test_continuous_policy_runs_the_live_scheduler_and_beats_static_on_the_engin
 
 
 def test_continuous_policy_aborts_superseded_requests() -> None:
-    from control.sim.simulate import CostModel
-
     cost = CostModel.from_file("docs/bench/engine-small.json")
     config = SimConfig(replicas=[2], costs={"kb-small": cost}, policy="continuous", budget_ms=5_000.0)
     result = simulate(config, make_workload(10, 30, profile="typing", seed=11))
@@ -146,11 +148,11 @@ def test_a_request_a_pull_brings_after_the_gate_shut_is_handed_back_not_kept() -
 
 
 def test_a_curve_scaled_to_the_serving_engine_is_written_and_read_back(tmp_path: Path) -> None:
-    measured = sim.CostModel.from_file(Path(__file__).parents[2] / "docs" / "bench" / "engine-small.json")
+    measured = CostModel.from_file(Path(__file__).parents[2] / "docs" / "bench" / "engine-small.json")
     served = measured.scaled(decode=1.1, prefill=1.3, step_overhead_ms=0.9)
     path = tmp_path / "served.json"
     path.write_text(json.dumps(served.as_json()))
-    back = sim.CostModel.from_file(path)
+    back = CostModel.from_file(path)
     assert back == served
     assert back.step_ms(4, 300) == pytest.approx(1.1 * measured.step_ms(4, 300))
     step = 1.1 * measured.step_ms(1, 205) + 0.9  # a lone request: its prefill, then a step per token

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from control.sim.simulate import NEW, OK, RUNNING, WAITING, SimConfig, Workload, make_workload, simulate
+from control.sim.config import SimConfig
+from control.sim.simulate import simulate
 from control.sim.split import simulate_split
+from control.sim.states import NEW, OK, RUNNING, WAITING
+from control.sim.workload import Workload, make_workload
 
 
 def fleet(seconds: float = 12.0) -> tuple[SimConfig, Workload]:

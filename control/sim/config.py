@@ -1,0 +1,52 @@
+"""What a simulated run is: the fleet, the policy's knobs, the budget and the faults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from control.sim.cost import CostModel
+
+
+@dataclass
+class SimConfig:
+    replicas: list[int]  # per model: replicas in each region
+    models: list[str] = field(default_factory=lambda: ["kb-small"])
+    regions: int = 1
+    max_batch: int = 64
+    batch_ms: float = 250.0  # fixed batch time, unless `costs` gives a model a curve
+    batch_jitter_ms: float = 0.0  # a fixed batch takes batch_ms plus up to this much more (uniform)
+    costs: dict[str, CostModel] = field(default_factory=dict)
+    policy: str = "static"  # or "continuous": tasks/policy/scheduler.py plans each step, a cost model prices it
+    max_wait_ms: float = 20.0
+    pull_lead_ms: float = 40.0
+    margin_ms: float = 15.0
+    budget_ms: float = 540.0  # the client's deadline at the gateway (the SLO less the network)
+    max_queue_paid: int = 4096
+    max_queue_free: int = 2048
+    admission_refresh_ms: float = 10.0  # how often a group's admission limits are worked out again
+    host_size: int = 8  # replicas a host carries
+    host_loss_at_s: float | None = None  # one host of the first group dies then
+    restart_s: float = 5.0  # and is back this long after
+    detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
+    region_loss_at_s: float | None = None  # region 0 is lost then
+    resend_ms: float = 100.0  # a client's retry of a lost region's request reaches another region
+    # A BRPOP sent before the gate shut takes one more message (kombu lets it finish); the
+    # replica then "hand_back"s it to the front of the queue (the live default), or "keep"s
+    # it for its next batch (KEYBATCH_HAND_BACK_PULLS=0); "none": a gate that also stops a
+    # BRPOP already sent (no such consumer exists; what the simulator did before).
+    pull_in_flight: str = "hand_back"
+
+    def __post_init__(self) -> None:
+        if len(self.replicas) != len(self.models) or min(self.replicas) < 1:
+            raise ValueError("one replica count (>= 1) per model")
+        if self.policy not in ("static", "continuous"):
+            raise ValueError(f"policy must be static or continuous, not {self.policy!r}")
+        if self.policy == "continuous" and set(self.models) - set(self.costs):
+            raise ValueError("the continuous policy needs a cost model (an engine curve) for every model")
+        if self.pull_in_flight not in ("hand_back", "keep", "none"):
+            raise ValueError(f"pull_in_flight must be hand_back, keep or none, not {self.pull_in_flight!r}")
+        if self.regions < 1 or (self.region_loss_at_s is not None and self.regions < 2):
+            raise ValueError("region loss needs at least two regions")
+
+
+# -- the simulated parts ---------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""The faults a run can play: a host lost mid-batch and swept, a region lost and its requests sent again."""
+
+from __future__ import annotations
+
+import heapq
+
+from control.sim.events import HOST_UP, SWEEP
+from control.sim.gateway import GatewaySide
+from control.sim.group import SimReplica
+from control.sim.states import EXPIRED, NEW, RUNNING, WAITING
+from tasks.policy.collector import Collector
+from tasks.policy.pullgate import PullGate
+
+
+class FaultSide(GatewaySide):
+    """The faults: host down, sweep, host up, region down."""
+
+    def _host_down(self) -> None:
+        """The first host of the first group dies mid-batch: its replicas stop at once; the
+        lease lapses and a sweep re-queues what they held (control/broker/scripts.py, SWEEP)."""
+        group = self.groups[0]
+        dead = [r for r in group.replicas if r.alive][: self.config.host_size]
+        for replica in dead:
+            replica.alive = False
+            replica.tokens = [t + 1 for t in replica.tokens]
+            if replica in group.blocked:
+                group.blocked.remove(replica)
+        self._push(self.now + self.config.detect_ms, SWEEP, dead, 0)
+        self._push(self.now + self.config.restart_s * 1000.0, HOST_UP, dead, 0)
+
+    def _sweep(self, dead: list[SimReplica]) -> None:
+        """SWEEP: each held request still wanted goes back to the front of its queue, or is
+        answered 504 when its deadline leaves less than one batch (or it came back twice)."""
+        group = dead[0].group
+        group.num_ready -= len(dead)
+        min_ms = group.batch_ms + self.config.margin_ms
+        for replica in dead:
+            held = replica.held()
+            replica.batch, replica.collector.waiting, replica.busy = [], [], False
+            replica.engine = group.new_engine()
+            for pending in reversed(held):
+                j = pending.payload
+                if self.state[j] not in (WAITING, RUNNING):
+                    continue
+                was_running = self.state[j] == RUNNING
+                if self.deadline[j] - self.now >= min_ms and self.requeues.get(j, 0) < 2:
+                    self.requeues[j] = self.requeues.get(j, 0) + 1
+                    self.stats["requeued"] += 1
+                    if was_running:
+                        group.num_waiting[self.paid[j]] += 1
+                    self.state[j] = WAITING
+                    self._requeue(group, j)
+                else:
+                    if not was_running:
+                        group.num_waiting[self.paid[j]] -= 1
+                    self.state[j] = EXPIRED
+        for replica in list(group.blocked):  # re-queued requests go to the consumers blocked on the queue
+            self._pull(replica)
+
+    def _host_up(self, dead: list[SimReplica]) -> None:
+        group = dead[0].group
+        for replica in dead:
+            replica.alive = True
+            replica.collector = Collector(group.collector_config)
+            replica.engine = group.new_engine()
+            replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms)
+            replica.last_launch = -1e18
+            group.blocked.append(replica)
+            replica.asked_at = self.now
+        group.num_ready += len(dead)
+        for replica in dead:
+            self._pull(replica)
+
+    def _region_down(self, region: int) -> None:
+        """Region 0 is lost with everything in it. Its clients send what was in flight again
+        to another region (`control/fleet/regionclient.py`, same request id), with what is left of
+        the budget; new requests go to the other regions from now on."""
+        for group in self.groups:
+            if group.region != region:
+                continue
+            group.alive = False
+            held: list[int] = list(group.paid_queue) + list(group.free_queue)
+            for replica in group.replicas:
+                held += [p.payload for p in replica.held()]
+                replica.alive = False
+                replica.tokens = [t + 1 for t in replica.tokens]
+            group.paid_queue.clear()
+            group.free_queue.clear()
+            group.blocked.clear()
+            group.num_ready = 0
+            elsewhere = any(g.alive and g.model == group.model for g in self.groups)
+            for j in held:
+                if self.state[j] not in (WAITING, RUNNING):
+                    continue
+                self.state[j] = NEW
+                self.stats["resent"] += 1
+                if not elsewhere:  # the other regions run apart: the caller sends it on
+                    self.handed_off.append((self.now + self.config.resend_ms, j))
+                    continue
+                self.resent_ids.add(j)
+                self._move(j)
+                heapq.heappush(self.resent, (self.now + self.config.resend_ms, j))

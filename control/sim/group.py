@@ -1,0 +1,131 @@
+"""A simulated replica, and a group: one model's queue in one region with its replicas and its admission."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from control.core.vocab import FREE, PAID
+from control.policy import admission
+from control.policy.admission import Capacity, Limits, RateMeter, Verdict
+from control.sim.config import SimConfig
+from control.sim.continuous import SimEngine
+from control.sim.cost import CONTEXT_TOKENS, MEAN_OUTPUT_TOKENS
+from tasks.policy.collector import Collector, CollectorConfig, Pending
+from tasks.policy.pullgate import PullGate
+from tasks.policy.scheduler import ContinuousScheduler, SchedulerConfig
+
+
+class Numbering(Protocol):
+    """What numbers the replicas of a run."""
+
+    def next_replica(self) -> int: ...
+
+
+class SimReplica:
+    __slots__ = (
+        "index",
+        "group",
+        "collector",
+        "gate",
+        "busy",
+        "alive",
+        "batch",
+        "tokens",
+        "last_launch",
+        "ends_at",
+        "engine",
+        "gate_at",
+        "asked_at",
+    )
+
+    def __init__(self, index: int, group: Group, config: CollectorConfig, gate: PullGate) -> None:
+        self.index = index
+        self.group = group
+        self.collector = Collector(config)
+        self.gate = gate
+        self.busy = False
+        self.alive = True
+        self.batch: list[Pending] = []
+        self.tokens = [0, 0, 0]  # per timer kind (launch, end, gate): a bump forgets the one set
+        self.last_launch = -1e18
+        self.ends_at = 0.0
+        self.engine: SimEngine | None = None  # continuous policy only
+        self.gate_at = -1.0  # the reopening time a timer was last set for
+        self.asked_at = 0.0  # when its consumer's BRPOP was sent
+
+    def held(self) -> list[Pending]:
+        """What a sweep finds in its held hash: the batch or the engine's requests, and the buffer."""
+        running = list(self.engine.pendings.values()) if self.engine else self.batch
+        return running + self.collector.waiting
+
+
+class Group:
+    """One model's queue in one region, its replicas and its admission."""
+
+    def __init__(self, index: int, region: int, model: int, config: SimConfig, sim: Numbering) -> None:
+        self.index = index
+        self.region = region
+        self.model = model
+        self.cost = config.costs.get(config.models[model])
+        self.continuous = config.policy == "continuous"
+        self.batch_ms = self.cost.expected_batch_ms(config.max_batch) if self.cost else config.batch_ms
+        if self.cost and self.continuous:  # join to finish of a typical request at full load
+            self.batch_ms = self.cost.prefill_ms_for(300) + MEAN_OUTPUT_TOKENS * self.cost.step_ms(
+                config.max_batch, CONTEXT_TOKENS
+            )
+        # as `tasks.lm.engine.HFEngine` builds it: a step computes a decode for every slot and one chunk
+        self.scheduler_config = SchedulerConfig(
+            max_slots=config.max_batch, token_budget=config.max_batch + SchedulerConfig.prefill_chunk
+        )
+        self.collector_config = CollectorConfig(
+            max_batch=config.max_batch,
+            max_wait_ms=config.max_wait_ms,
+            batch_ms=self.batch_ms,
+            margin_ms=config.margin_ms,
+        )
+        self.replicas = [
+            SimReplica(sim.next_replica(), self, self.collector_config, PullGate(config.max_batch, config.pull_lead_ms))
+            for _ in range(config.replicas[model])
+        ]
+        for replica in self.replicas:
+            replica.engine = self.new_engine()
+        self.paid_queue: deque[int] = deque()
+        self.free_queue: deque[int] = deque()
+        self.num_waiting = [0, 0]  # free, paid: the waiting sets admission counts
+        self.blocked: deque[SimReplica] = deque(self.replicas)  # consumers in BRPOP, first asked first
+        self.limits = Limits(config.max_queue_paid, config.max_queue_free, config.margin_ms)
+        self.paid_meter = RateMeter()
+        self.alive = True
+        self.num_ready = len(self.replicas)
+        self.verdict = Verdict.ADMIT
+        self.deepest = (0, 0)
+        self.deepest_at = -1e18
+
+    def new_engine(self) -> SimEngine | None:
+        if not self.continuous or self.cost is None:
+            return None
+        return SimEngine(ContinuousScheduler(self.scheduler_config), self.cost)
+
+    def capacity(self) -> Capacity:
+        return Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms)
+
+    def refresh_deepest(self, now: float, budget_ms: float) -> None:
+        """The verdict before the queue and the (free, paid) deepest admissible positions,
+        worked out again every `admission_refresh_ms` (a gateway's view of the fleet is
+        250 ms old anyway)."""
+        capacity = self.capacity()
+        rate = self.paid_meter.rate(now)
+        self.verdict = admission.check(budget_ms, capacity, self.limits)
+        self.deepest = (
+            (
+                admission.max_position(FREE, budget_ms, capacity, self.limits, rate),
+                admission.max_position(PAID, budget_ms, capacity, self.limits, rate),
+            )
+            if self.verdict == Verdict.ADMIT
+            else (0, 0)
+        )
+        self.deepest_at = now
+
+
+# -- the simulation ---------------------------------------------------------------------------

@@ -1,0 +1,214 @@
+"""The simulated replica's side of a run: its gate, its buffer, launching and ending batches, continuous steps."""
+
+from __future__ import annotations
+
+from control.core.vocab import PAID
+from control.sim.events import END, GATE, LAUNCH, SimState
+from control.sim.group import Group, SimReplica
+from control.sim.states import EXPIRED, LATE, OK, RUNNING, TIERS, WAITING
+from tasks.policy.collector import Pending
+
+BRPOP_TIMEOUT_MS = 1000.0  # kombu's Redis transport: a BRPOP returns empty after this long
+
+
+class ReplicaSide(SimState):
+    """The replica: gate, buffer, launch, end."""
+
+    def _wants(self, replica: SimReplica) -> bool:
+        """`Replica.wants_messages`."""
+        if not replica.alive:
+            return False
+        if replica.engine is not None:
+            return replica.gate.wants_continuous(len(replica.collector.waiting), replica.engine.free_slots())
+        return replica.gate.wants(self.now, len(replica.collector.waiting), replica.group.batch_ms)
+
+    def _in_flight(self, replica: SimReplica) -> bool:
+        """Has the consumer a BRPOP out that its gate did not stop? kombu lets a BRPOP sent
+        before the gate shut take one more message (`tasks.kombu_internals.gate_pulls`),
+        unless the BRPOP's own timeout came first."""
+        return (
+            self.config.pull_in_flight != "none"
+            and replica.alive
+            and self.now - replica.asked_at < BRPOP_TIMEOUT_MS
+            and replica in replica.group.blocked
+        )
+
+    def _shut(self, replica: SimReplica, in_flight: bool = False) -> None:
+        """The gate said no: the consumer stops asking, with a timer if it reopens by itself.
+        `in_flight`: the gate shut on the replica's side (a batch started) while its BRPOP
+        was out: that BRPOP still takes one message."""
+        blocked = replica.group.blocked
+        if in_flight and self._in_flight(replica):
+            pass
+        elif blocked and blocked[0] is replica:
+            blocked.popleft()
+        elif replica in blocked:
+            blocked.remove(replica)
+        if replica.engine is not None:  # reopens when work leaves (`Replica.reopens_at_ms`)
+            return
+        at = replica.gate.reopens_at(self.now, len(replica.collector), replica.group.batch_ms)
+        # As the worker's consumer loop does (tasks/replica/worker.py): one timer per reopening time,
+        # so a time already past (a batch longer than expected) wakes it once, not forever.
+        if at is not None and at != replica.gate_at and replica.alive:
+            replica.gate_at = at
+            self._timer(replica, GATE, max(at, self.now))
+
+    def _take(self, replica: SimReplica, i: int) -> None:
+        collector = replica.collector
+        collector.add(Pending(str(i), TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now))
+        if replica.engine is not None:
+            if not replica.busy:  # an idle continuous replica admits at once
+                self._cycle(replica)
+            return
+        if not replica.busy:
+            if len(collector) >= collector.config.max_batch:
+                self._try_launch(replica)
+            elif len(collector) == 1 or i in self.resent_ids:
+                wait = collector.wait_ms(self.now)
+                if wait is not None:
+                    self._timer(replica, LAUNCH, self.now + wait)
+
+    def _pull(self, replica: SimReplica) -> None:
+        """The consumer's loop: BRPOP (paid list first) while the gate lets it."""
+        group = replica.group
+        while self._wants(replica):
+            if group.paid_queue:
+                self._take(replica, group.paid_queue.popleft())
+            elif group.free_queue:
+                self._take(replica, group.free_queue.popleft())
+            else:
+                if replica not in group.blocked:
+                    group.blocked.append(replica)
+                    replica.asked_at = self.now
+                elif self.now - replica.asked_at >= BRPOP_TIMEOUT_MS:  # timed out, sent again
+                    replica.asked_at = self.now
+                return
+        self._shut(replica, in_flight=True)
+
+    def _try_launch(self, replica: SimReplica) -> None:
+        """`Replica._take`: drop what was cancelled or expired, let paid requests still in the
+        queue in ahead of buffered free ones, then start a batch if one is due."""
+        if replica.busy or not replica.alive:
+            return
+        collector, group, now = replica.collector, replica.group, self.now
+        gone = {p.id for p in collector.waiting if self.state[p.payload] != WAITING}
+        if gone:
+            collector.remove(gone)
+        room = collector.num_free()
+        while room and group.paid_queue:
+            j = group.paid_queue.popleft()
+            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
+            room -= 1
+        for pending in collector.pop_expired(now):
+            j = pending.payload
+            if self.state[j] == WAITING:
+                self.state[j] = EXPIRED
+                group.num_waiting[self.paid[j]] -= 1
+        wait = collector.wait_ms(now)
+        if wait is None:
+            return
+        if wait > 0:
+            self._timer(replica, LAUNCH, now + wait)
+            return
+        batch = collector.pop_batch()
+        for pending in batch:
+            j = pending.payload
+            group.num_waiting[self.paid[j]] -= 1
+            self.state[j] = RUNNING
+            self.start_ms[j] = now
+        duration = self._batch_ms(group, batch)
+        replica.batch, replica.busy = batch, True
+        replica.last_launch, replica.ends_at = now, now + duration
+        replica.gate.start(now, group.batch_ms)
+        replica.gate.peers(idle=self._peer_idle(replica), launches=self._peer_launches(replica))
+        self.stats["batches"] += 1
+        self.stats["batch_rows"] += len(batch)
+        self._timer(replica, END, now + duration)
+        self._pull(replica)
+
+    def _cycle(self, replica: SimReplica, stepped: bool = False) -> None:
+        """`Replica._run_continuous`, one turn: answer what the step finished; drop what was
+        cancelled or expired (buffered or running); admit into free slots; plan and price
+        the next step."""
+        engine, collector, group, now, state = replica.engine, replica.collector, replica.group, self.now, self.state
+        assert engine is not None
+        if stepped:
+            for pending in engine.finish_step():
+                j = pending.payload
+                if state[j] == RUNNING:
+                    state[j] = OK if now <= pending.deadline_ms else LATE
+                    self.end_ms[j] = now
+        for request_id, pending in list(engine.pendings.items()):
+            j = pending.payload
+            if state[j] != RUNNING or now > pending.deadline_ms:
+                engine.abort(request_id)
+                if state[j] == RUNNING:
+                    state[j] = LATE
+        gone = {p.id for p in collector.waiting if state[p.payload] != WAITING}
+        if gone:
+            collector.remove(gone)
+        room = min(collector.num_free(), engine.free_slots())
+        while room and group.paid_queue:
+            j = group.paid_queue.popleft()
+            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
+            room -= 1
+        for pending in collector.pop_expired(now):
+            j = pending.payload
+            if state[j] == WAITING:
+                state[j] = EXPIRED
+                group.num_waiting[self.paid[j]] -= 1
+        batch = collector.pop_batch(limit=engine.free_slots())
+        w = self.workload
+        for pending in batch:
+            j = pending.payload
+            group.num_waiting[self.paid[j]] -= 1
+            state[j] = RUNNING
+            self.start_ms[j] = now
+            engine.add(pending, int(w.prompt_tokens[j]), int(w.output_tokens[j]))
+        self.stats["batch_rows"] += len(batch)
+        replica.busy = False
+        for _ in range(3):  # a plan that only releases finished rows costs nothing: plan again
+            if not engine.has_unfinished():
+                break
+            cost = engine.schedule()
+            if cost > 0:
+                replica.busy = True
+                self.stats["batches"] += 1
+                self._timer(replica, END, now + cost)
+                break
+        self._pull(replica)
+
+    def _batch_ms(self, group: Group, batch: list[Pending]) -> float:
+        if group.cost is None:
+            return self.config.batch_ms + self.config.batch_jitter_ms * self._random()
+        w = self.workload
+        idx = [p.payload for p in batch]
+        return group.cost.batch_ms(w.prompt_tokens[idx].tolist(), w.output_tokens[idx].tolist())
+
+    def _peer_idle(self, replica: SimReplica) -> bool:
+        return any(not r.busy for r in replica.group.replicas if r is not replica and r.alive)
+
+    def _peer_launches(self, replica: SimReplica) -> list[float]:
+        """The other replicas' last starts (`kb:launch:<model>`), those still able to matter:
+        a start whose batch ended already can neither end before this one nor be recent."""
+        horizon = self.now - 2 * replica.group.batch_ms
+        return [
+            r.last_launch for r in replica.group.replicas if r is not replica and r.alive and r.last_launch > horizon
+        ]
+
+    def _end(self, replica: SimReplica) -> None:
+        now, state = self.now, self.state
+        for pending in replica.batch:
+            j = pending.payload
+            if state[j] == RUNNING:
+                state[j] = OK if now <= pending.deadline_ms else LATE
+                self.end_ms[j] = now
+        num = len(replica.batch)
+        self.batch_sizes.append(num)
+        replica.batch, replica.busy = [], False
+        replica.gate.finish()
+        launches = self._peer_launches(replica)
+        replica.collector.stagger_from(launches, num, now)
+        replica.gate.peers(launches=launches)
+        self._pull(replica)
+        self._try_launch(replica)
