@@ -28,8 +28,9 @@ from api.errors import ApiError
 from api.metrics import Metrics
 from control.broker import keys, records, traffic
 from control.broker.envelope import TaskMessages
+from control.broker.lua import OWNER_SLACK_MS
 from control.broker.registry import FleetView
-from control.broker.scripts import OWNER_SLACK_MS, Admission, Admit, Cancel, Rescue, RescueOffer, SweepDead, TenantTerms
+from control.broker.scripts import Admission, Admit, Cancel, Rescue, RescueOffer, SweepDead, TenantTerms
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.connect import client_like

@@ -36,13 +36,13 @@ from typing import Any
 import redis
 
 from control.bench.harness import FREE_KEY, MODEL, PAID_KEY, Deployment, child_env
-from control.broker import keys, scripts
+from control.broker import keys, lua
 from control.fleet.valkey import EmbeddedBroker
 from control.load.generator import generate
 from control.load.spec import LoadSpec
 
 WARMUP_S = 3.0
-SCRIPTS = {name: source for name, source in scripts.SOURCES.items() if name != "RESCUE"}
+SCRIPTS = {name: source for name, source in lua.SOURCES.items() if name != "RESCUE"}
 SCRIPT_BY_SHA = {hashlib.sha1(source.encode()).hexdigest(): name for name, source in SCRIPTS.items()}
 # Commands a replay leaves out: connection set-up, subscriptions (their messages are
 # PUBLISH's cost), and what only an operator or this bench sends.

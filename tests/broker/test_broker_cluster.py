@@ -21,8 +21,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
 
-from control.broker import keys, scripts
-from control.broker.scripts import ADMIT_LUA, CANCEL_LUA, OWNER_SLACK_MS
+from control.broker import keys, lua
+from control.broker.lua import ADMIT_LUA, CANCEL_LUA, OWNER_SLACK_MS
 from control.core import protocol as p
 from control.core.procs import child_of, free_port
 from control.fleet.valkey import valkey_server_binary
@@ -110,13 +110,13 @@ class Scripts:
 
         self.admit = strict(ADMIT_LUA)
         self.cancel = strict(CANCEL_LUA)
-        self.record = strict(scripts.RECORD_LUA)
-        self.claim = strict(scripts.CLAIM_LUA)
-        self.deliver = strict(scripts.DELIVER_LUA)
-        self.stream = strict(scripts.STREAM_LUA)
-        self.sweep_one = strict(scripts.SWEEP_ONE_LUA)
-        self.sweep_dead = strict(scripts.SWEEP_DEAD_LUA)
-        self.rescue = strict(scripts.RESCUE_LUA)
+        self.record = strict(lua.RECORD_LUA)
+        self.claim = strict(lua.CLAIM_LUA)
+        self.deliver = strict(lua.DELIVER_LUA)
+        self.stream = strict(lua.STREAM_LUA)
+        self.sweep_one = strict(lua.SWEEP_ONE_LUA)
+        self.sweep_dead = strict(lua.SWEEP_DEAD_LUA)
+        self.rescue = strict(lua.RESCUE_LUA)
 
 
 def _admit(
@@ -166,7 +166,7 @@ def _now_ms(client: RedisCluster) -> float:
 
 
 def test_the_scripts_here_are_all_the_projects_scripts() -> None:
-    assert set(scripts.SOURCES) == {
+    assert set(lua.SOURCES) == {
         "ADMIT", "CANCEL", "RECORD", "CLAIM", "DELIVER", "STREAM", "SWEEP_ONE", "SWEEP_DEAD", "RESCUE",
     }  # fmt: skip  # a new script joins Scripts and the test below
 

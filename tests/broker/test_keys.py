@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from control.broker import keys, scripts
+from control.broker import keys, lua
 from control.core import protocol as p
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,10 +48,10 @@ def test_no_lua_string_in_the_tree_spells_the_key_prefix() -> None:
 
 
 def test_all_lua_lives_in_the_scripts_module_and_the_envelope() -> None:
-    assert set(_lua_strings()) <= {Path("control/broker/scripts.py"), Path("control/broker/envelope.py")}
+    assert set(_lua_strings()) <= {Path("control/broker/lua.py"), Path("control/broker/envelope.py")}
 
 
 def test_the_prefix_reaches_a_script_only_through_its_prelude() -> None:
-    for name, source in scripts.SOURCES.items():
-        assert source.count(keys.PREFIX) == scripts.PRELUDE.count(keys.PREFIX), name
-        assert scripts.PRELUDE in source, name
+    for name, source in lua.SOURCES.items():
+        assert source.count(keys.PREFIX) == lua.PRELUDE.count(keys.PREFIX), name
+        assert lua.PRELUDE in source, name

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from control.broker import records
-from control.broker.scripts import LUA_LIB
+from control.broker.lua import LUA_LIB
 from control.core.lifecycle import ReplicaState
 from control.fleet.valkey import EmbeddedBroker
 

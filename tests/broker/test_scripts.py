@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from control.broker import keys, scripts
-from control.broker.scripts import ADMIT_LUA, CANCEL_LUA
+from control.broker import keys, lua
+from control.broker.lua import ADMIT_LUA, CANCEL_LUA
 from control.fleet.valkey import EmbeddedBroker
 from tests.support.deploy import MODEL
 
@@ -50,7 +50,7 @@ def test_a_retry_after_the_deadline_does_not_join_the_dead_attempt(state: redis.
 
 def test_a_replica_records_only_requests_still_in_flight(state: redis.Redis) -> None:
     state.set(keys.owner_key("t:live"), f"gw|{WAITING}|t|a-live", px=10_000)
-    record = state.register_script(scripts.RECORD_LUA)
+    record = state.register_script(lua.RECORD_LUA)
     n = record(args=["rep", "a-live", "t:live", "REC1", "a-done", "t:done", "REC2"])
     assert n == 1
     assert state.hgetall(keys.held_key("rep")) == {b"a-live": b"REC1"}

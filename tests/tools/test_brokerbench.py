@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from control.bench.broker_cost import monitor_during, replay
-from control.broker import keys, scripts
+from control.broker import keys, lua
 from control.fleet.valkey import EmbeddedBroker
 
 ODD = b'a "quoted"\\ value\r\n\x00\xff{json: 1}'
@@ -23,7 +23,7 @@ def url() -> Iterator[str]:
 
 def test_monitor_gives_back_the_bytes_sent_and_names_each_script(url: str) -> None:
     client = redis.Redis.from_url(url)
-    claim = client.register_script(scripts.CLAIM_LUA)
+    claim = client.register_script(lua.CLAIM_LUA)
     claim(args=["r1", 1000, "warm"])  # loaded before the sample: one EVALSHA each below
 
     def run() -> None:
