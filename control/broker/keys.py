@@ -22,9 +22,12 @@ BEHIND_SUFFIX = ":behind"  # a tier's waiting set of requests behind other keys'
 TENANT_PART = ":t:"  # a tenant's share of a tier's waiting sets, after the tier's set
 
 
+_HEAD = f"{PREFIX}:"
+
+
 def key(*parts: object) -> str:
     """The key made of `parts`, under the one prefix (and hash tag) of the request path."""
-    return ":".join((PREFIX, *map(str, parts)))
+    return _HEAD + ":".join([part if type(part) is str else str(part) for part in parts])
 
 
 REPLICAS_KEY = key("replicas")  # names of the replicas that published a registry entry

@@ -1,0 +1,570 @@
+"""Every Lua script of the request path: the one place Lua is written (control/broker/scripts.py
+wraps each in a typed class; the envelope's Lua is control/broker/envelope.py's).
+
+What keeps a request alive when the replica holding it dies: leases, held records,
+claims, the sweep that re-queues, and the delivery where the first answer wins.
+Every step is one script, so each is atomic on the broker:
+
+- A replica holds a *lease* (`keys.lease_key`, a few hundred ms, renewed by its
+  batching loop) and records each request it takes from the queue in its *held* hash
+  (`keys.held_key`: attempt id -> the held record of control/broker/records.py).
+- Before a batch runs, the replica *claims* each request (`keys.claim_key`). A claim
+  held by a replica whose lease is alive cannot be taken: a re-queued copy never runs
+  while its first copy is running on a replica that holds its lease. (A replica that
+  lost its lease, paused past it, is presumed dead: when it wakes, the copy it was
+  running may finish too; DELIVER answers the client once and counts the other as waste.)
+- When a lease lapses, SWEEP puts every held request that is still wanted back at the
+  front of its queue, or answers it `expired` (504) when its deadline leaves no time for
+  another batch (or when it was re-queued `MAX_REQUEUES` times already: a prompt that
+  kills replicas must not kill them all). The held hash goes in the same step, so two
+  sweepers cannot re-queue a request twice. Gateways run it for every lapsed lease
+  (every 100 ms); the supervisor runs it for a replica it saw die, at once.
+- DELIVER routes each answer to every gateway that waits for the request *now* (a retry
+  through another gateway process joins it there) and deletes the owner in the same step:
+  a second answer for the same request finds no owner and is counted as wasted work,
+  never sent.
+
+How a script is made: `PRELUDE` (the key stems of control/broker/keys.py as a table `K`,
+the constants as `C`, built by Python at import), then the shared Lua (`LUA_LIB`: the
+record parsers, cancel, notify), then the script's own body, concatenated: no script
+spells a key prefix, and nothing is filled into a template. A script finds the rest of
+its keys in its arguments and in the records it reads; every key carries the one hash
+tag, so they all sit in one slot. A caller names one of them in KEYS[1] (the scripts
+ignore it) for a cluster client to route the call by.
+
+"""
+
+from __future__ import annotations
+
+from control.broker import keys, traffic
+from control.broker.envelope import ENVELOPE_LUA
+from control.core import protocol as p
+
+MAX_REQUEUES = 2  # a request whose replica died this many times is a likely cause: it ends 504
+OWNER_SLACK_MS = 5_000  # an owner key outlives its request's deadline by this much
+
+
+def _lua_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _lua_table(name: str, values: dict[str, str] | dict[str, int]) -> str:
+    fields = ", ".join(f"{k} = {_lua_string(v) if isinstance(v, str) else v}" for k, v in sorted(values.items()))
+    return f"local {name} = {{{fields}}}\n"
+
+
+CONSTANTS = {
+    "reply_ttl_s": p.REPLY_TTL_S,
+    "cancel_ttl_ms": p.CANCEL_TTL_MS,
+    "max_requeues": MAX_REQUEUES,
+    "owner_slack_ms": OWNER_SLACK_MS,
+    "paid_priority": p.PAID_PRIORITY,
+    "free_priority": p.FREE_PRIORITY,
+    "behind_step": p.BEHIND_STEP,
+    "traffic_keep_s": traffic.KEEP_S,
+}
+PRELUDE = _lua_table("K", keys.LUA_KEYS) + _lua_table("C", CONSTANTS)
+
+# The Lua halves of control/broker/records.py's owner, done and held records, in the
+# same field order as their Python pack and parse.
+RECORDS_LUA = """
+-- Owner: gateways, waiting set, tenant, attempt, fingerprint of the body ('' when none).
+local function owner_parts(owner)
+  local a = string.find(owner, '|', 1, true)
+  local b = string.find(owner, '|', a + 1, true)
+  local c = string.find(owner, '|', b + 1, true)
+  local d = string.find(owner, '|', c + 1, true)
+  local attempt, fingerprint = owner:sub(c + 1), ''
+  if d then attempt, fingerprint = owner:sub(c + 1, d - 1), owner:sub(d + 1) end
+  return owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1, c - 1), attempt, fingerprint
+end
+
+local function pack_owner(gateways, waiting, tenant, attempt, fingerprint)
+  return gateways .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt .. '|' .. fingerprint
+end
+
+-- Done: fingerprint, result JSON (a bare JSON object from before fingerprints).
+local function done_parts(done)
+  if done:sub(1, 1) == '{' then return '', done end
+  local a = string.find(done, '|', 1, true)
+  return done:sub(1, a - 1), done:sub(a + 1)
+end
+
+local function pack_done(fingerprint, result)
+  return fingerprint .. '|' .. result
+end
+
+-- Held: deadline ms, queue, waiting set, request key, message.
+local function held_parts(rec)
+  local a = string.find(rec, '|', 1, true)
+  local b = string.find(rec, '|', a + 1, true)
+  local c = string.find(rec, '|', b + 1, true)
+  local d = string.find(rec, '|', c + 1, true)
+  return tonumber(rec:sub(1, a - 1)), rec:sub(a + 1, b - 1), rec:sub(b + 1, c - 1),
+    rec:sub(c + 1, d - 1), rec:sub(d + 1)
+end
+"""
+
+# Shared helpers: cancel a request in flight (tell its gateway), notify gateways.
+LUA_LIB = (
+    PRELUDE
+    + RECORDS_LUA
+    + ENVELOPE_LUA
+    + """
+local function has_gateway(gateways, gateway)
+  return string.find(',' .. gateways .. ',', ',' .. gateway .. ',', 1, true) ~= nil
+end
+
+-- A tier's waiting set of requests in line, from either of its waiting sets.
+local function in_line(waiting)
+  if waiting:sub(-#K.behind) == K.behind then return waiting:sub(1, #waiting - #K.behind) end
+  return waiting
+end
+
+-- A tenant's share of its tier's queue (requests in either list), by deadline.
+local function tenant_set(waiting, tenant)
+  return in_line(waiting) .. K.tenant .. tenant
+end
+
+-- `gateways`: the comma-separated ids of every gateway process with a connection waiting.
+local function notify(gateways, item)
+  for gateway in string.gmatch(gateways, '[^,]+') do
+    local key = K.reply .. gateway
+    redis.call('RPUSH', key, '{"items":[' .. item .. ']}')
+    redis.call('EXPIRE', key, C.reply_ttl_s)
+  end
+end
+
+-- Items grouped by gateway, in first-seen order, so each gateway gets one message.
+local function collect(out, order, gateways, item)
+  for gateway in string.gmatch(gateways, '[^,]+') do
+    if not out[gateway] then
+      out[gateway] = {}
+      order[#order + 1] = gateway
+    end
+    table.insert(out[gateway], item)
+  end
+end
+
+local function notify_all(out, order)
+  for _, gateway in ipairs(order) do
+    notify(gateway, table.concat(out[gateway], ','))
+  end
+end
+
+-- Cancel the request with this key, tell every gateway that waits for it. '' for tenant,
+-- attempt or holder means any. A gateway giving up passes itself as holder: while another
+-- gateway still waits for the request (a retry joined it there) it only stops waiting.
+local function cancel(key, reason, tenant, attempt, holder)
+  local owner = redis.call('GET', K.owner .. key)
+  if not owner then return 0 end
+  local gateways, waiting, who, att, fingerprint = owner_parts(owner)
+  if tenant ~= '' and tenant ~= who then return 0 end
+  if attempt ~= '' and attempt ~= att then return 0 end
+  if holder and holder ~= '' then
+    if not has_gateway(gateways, holder) then return 0 end
+    if gateways ~= holder then
+      local rest = {}
+      for gateway in string.gmatch(gateways, '[^,]+') do
+        if gateway ~= holder then rest[#rest + 1] = gateway end
+      end
+      redis.call('SET', K.owner .. key, pack_owner(table.concat(rest, ','), waiting, who, att, fingerprint), 'KEEPTTL')
+      return 0
+    end
+  end
+  redis.call('SET', K.cancel .. att, reason, 'PX', C.cancel_ttl_ms)
+  redis.call('DEL', K.owner .. key)
+  redis.call('ZREM', in_line(waiting), att)  -- a re-queued request waits in line, whichever list it left
+  redis.call('ZREM', in_line(waiting) .. K.behind, att)
+  redis.call('ZREM', tenant_set(waiting, who), att)
+  notify(gateways, cjson.encode({kind = 'cancelled', id = att, reason = reason}))
+  return 1
+end
+
+local function lease_alive(replica)
+  return redis.call('EXISTS', K.lease .. replica) == 1
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+)
+
+_SWEEP_FN = """
+-- Re-queue or expire what a replica without a lease held; {-1, 0} if its lease is alive.
+local function sweep(holder, min_ms)
+  if lease_alive(holder) then return {-1, 0} end
+  local held = redis.call('HGETALL', K.held .. holder)
+  local now = now_ms()
+  local requeued, expired = 0, 0
+  for i = 1, #held, 2 do
+    local id = held[i]
+    local deadline, queue, waiting, key, message = held_parts(held[i + 1])
+    local owner = redis.call('GET', K.owner .. key)
+    if owner then
+      local _, _, who, att = owner_parts(owner)
+      local claim = redis.call('GET', K.claim .. id)
+      if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
+        -- answered or retried under another attempt, or running on a live replica
+      elseif deadline - now >= min_ms and redis.call('INCR', K.requeued .. id) <= C.max_requeues then
+        redis.call('PEXPIRE', K.requeued .. id, deadline - now + 1000)
+        redis.call('DEL', K.claim .. id)
+        redis.call('RPUSH', queue, message)  -- the consumer pops from the right: the front
+        redis.call('ZADD', waiting, deadline, id)
+        redis.call('ZADD', tenant_set(waiting, who), deadline, id)
+        requeued = requeued + 1
+      else
+        expired = expired + cancel(key, 'expired', '', id, '')
+      end
+    end
+  end
+  redis.call('DEL', K.held .. holder)
+  redis.call('SREM', K.holders, holder)
+  redis.call('INCR', K.deaths)  -- gateways look for what it had taken and not yet recorded
+  local model = redis.call('HGET', K.replica .. holder, 'model')
+  if model then  -- peers must not count it as idle or running any more
+    redis.call('ZREM', K.idle .. model, holder)
+    redis.call('ZREM', K.launch .. model, holder)
+  end
+  return {requeued, expired}
+end
+"""
+
+# ARGV: replica, min ms a request needs to still finish.
+SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
+
+# ARGV: min ms. Sweeps every holder whose lease lapsed; returns {holders, requeued, expired,
+# deaths}: the last, how many replicas were ever swept, tells a gateway to run RESCUE.
+SWEEP_DEAD_LUA = (
+    LUA_LIB
+    + _SWEEP_FN
+    + """
+local swept, requeued, expired = 0, 0, 0
+for _, holder in ipairs(redis.call('SMEMBERS', K.holders)) do
+  local r = sweep(holder, tonumber(ARGV[1]))
+  if r[1] >= 0 then
+    swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
+  end
+end
+return {swept, requeued, expired, tonumber(redis.call('GET', K.deaths) or '0')}
+"""
+)
+
+# A replica's consumer pops a message, then records it as held: killed in between, the
+# request is in no queue and no held hash, and no sweep can find it. After a death each
+# gateway offers its own waiting requests; one that has an owner under this attempt, no
+# claim, no held record, and is not in its queue is pushed back to the front of it.
+# "Not in its queue": the lists are first in, first out (LPUSH at admission, the
+# consumer pops from the right; a re-queue goes to the right, older still), so a
+# request received before the oldest message left in its list was popped already;
+# for the others the list is read once per call (its messages' ids), which costs a
+# scan of the queue, after a death only.
+# ARGV: min ms, then per request the fields of `RescueOffer`. Returns how many were pushed back.
+RESCUE_LUA = (
+    LUA_LIB
+    + """
+local now, min_ms = now_ms(), tonumber(ARGV[1])
+local holders = redis.call('SMEMBERS', K.holders)
+local oldest = {}
+local function oldest_received(queue)  -- false: the list is empty; -1: unknown (keep all)
+  if oldest[queue] == nil then
+    local raw = redis.call('LINDEX', queue, -1)
+    if not raw then oldest[queue] = false else oldest[queue] = envelope_received_ms(raw) end
+  end
+  return oldest[queue]
+end
+local ids = {}
+local function in_queue(queue)  -- the attempts whose messages are in the list, read once
+  if ids[queue] == nil then
+    local found = {}
+    for _, raw in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+      local id = envelope_attempt(raw)
+      if id then found[id] = true end
+    end
+    ids[queue] = found
+  end
+  return ids[queue]
+end
+local rescued = 0
+for i = 2, #ARGV, 7 do
+  local att, key, queue, waiting = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local deadline, received, message = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5]), ARGV[i + 6]
+  local owner = redis.call('GET', K.owner .. key)
+  local live, who = false, ''
+  if owner then
+    local _, _, tenant, owner_att = owner_parts(owner)
+    live, who = owner_att == att and redis.call('EXISTS', K.claim .. att) == 0, tenant
+  end
+  if live then
+    for _, holder in ipairs(holders) do
+      if redis.call('HEXISTS', K.held .. holder, att) == 1 then live = false break end
+    end
+  end
+  if live then
+    local o = oldest_received(queue)
+    local queued = o ~= false and (o == -1 or received >= o) and in_queue(queue)[att] ~= nil
+    if not queued and deadline - now >= min_ms and redis.call('INCR', K.requeued .. att) <= C.max_requeues then
+      redis.call('PEXPIRE', K.requeued .. att, deadline - now + 1000)
+      redis.call('RPUSH', queue, message)
+      redis.call('ZADD', waiting, deadline, att)
+      redis.call('ZADD', tenant_set(waiting, who), deadline, att)
+      rescued = rescued + 1
+    end
+  end
+end
+return rescued
+"""
+)
+
+# ARGV: replica, then per request: attempt, request key, held record. Records only the
+# requests still in flight under that attempt: one answered or dropped meanwhile (its
+# owner gone) must not come back into the held hash.
+RECORD_LUA = (
+    LUA_LIB
+    + """
+local held = K.held .. ARGV[1]
+local n = 0
+for i = 2, #ARGV, 3 do
+  local owner = redis.call('GET', K.owner .. ARGV[i + 1])
+  if owner then
+    local _, _, _, att = owner_parts(owner)
+    if att == ARGV[i] then
+      redis.call('HSET', held, ARGV[i], ARGV[i + 2])
+      n = n + 1
+    end
+  end
+end
+return n
+"""
+)
+
+# ARGV: replica, claim ttl ms, attempt ids...; returns 1 (claimed) or 0 per id.
+CLAIM_LUA = (
+    LUA_LIB
+    + """
+local me, out = ARGV[1], {}
+for i = 3, #ARGV do
+  local key = K.claim .. ARGV[i]
+  local holder = redis.call('GET', key)
+  if not holder or holder == me or not lease_alive(holder) then
+    redis.call('SET', key, me, 'PX', ARGV[2])
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
+# ARGV: replica, then per item: request key, attempt, keep ms, kind, item JSON, fallback gateway.
+# Returns {delivered, wasted}. An answer goes to the gateway that owns the request now;
+# a drop notice whose request has no owner (a cancel took it) still reaches the gateway
+# that admitted it, for its counters; any other item without an owner is wasted work.
+DELIVER_LUA = (
+    LUA_LIB
+    + """
+local holder = ARGV[1]
+local out, order = {}, {}
+local delivered, wasted = 0, 0
+for i = 2, #ARGV, 6 do
+  local key, att, keep, kind, item, fallback = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]),
+    ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
+  local gateway = nil
+  local owner = redis.call('GET', K.owner .. key)
+  if owner then
+    local gateways, _, _, owner_att, fingerprint = owner_parts(owner)
+    if owner_att == att then
+      gateway = gateways
+      redis.call('DEL', K.owner .. key)
+      if keep > 0 and kind == 'result' then
+        redis.call('SET', K.done .. key, pack_done(fingerprint, item), 'PX', keep)
+      end
+      delivered = delivered + 1
+    end
+  end
+  if not gateway and kind == 'dropped' then
+    gateway = fallback
+  elseif not gateway and kind == 'result' then
+    wasted = wasted + 1
+  end
+  if gateway then collect(out, order, gateway, item) end
+  redis.call('HDEL', K.held .. holder, att)
+end
+notify_all(out, order)
+if wasted > 0 then redis.call('INCRBY', K.wasted, wasted) end
+return {delivered, wasted}
+"""
+)
+
+# Streamed text goes to the gateway that owns the request now, only while the attempt
+# that produced it still owns it; the owner stays (the answer comes later, by DELIVER).
+# ARGV: per chunk: request key, attempt, chunk JSON.
+STREAM_LUA = (
+    LUA_LIB
+    + """
+local out, order = {}, {}
+for i = 1, #ARGV, 3 do
+  local key, att, item = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local owner = redis.call('GET', K.owner .. key)
+  if owner then
+    local gateway, _, _, owner_att = owner_parts(owner)
+    if owner_att == att then collect(out, order, gateway, item) end
+  end
+end
+notify_all(out, order)
+return #order
+"""
+)
+
+# KEYS: the owner (read through ARGV; named so a cluster client routes the call to its slot).
+# ARGV: request key, reason, tenant, attempt, holder ('' for any).
+CANCEL_LUA = LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
+
+# The admission, its first part: a stored answer, or a retry joining the attempt in flight.
+_ADMIT_JOIN = """
+local _, _, _, _, fingerprint = owner_parts(ARGV[1])
+if ARGV[9] ~= '' then
+  local done = redis.call('GET', ARGV[9])
+  if done then
+    local stored, answer = done_parts(done)
+    if stored ~= fingerprint then return {4, 0, 0, ''} end
+    return {2, 0, 0, answer}
+  end
+end
+local current = redis.call('GET', KEYS[1])
+if current and redis.call('PTTL', KEYS[1]) <= C.owner_slack_ms then
+  -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
+  -- that attempt any more; drop it and admit the retry as a new one.
+  local _, waiting, _, attempt = owner_parts(current)
+  redis.call('SET', K.cancel .. attempt, 'expired', 'PX', C.cancel_ttl_ms)
+  redis.call('ZREM', waiting, attempt)
+  current = nil
+end
+if current then
+  -- A retry joins the attempt in flight; its answer comes here too.
+  local gateways, waiting, tenant, attempt, held = owner_parts(current)
+  if held ~= fingerprint then return {4, 0, 0, ''} end
+  if not has_gateway(gateways, ARGV[10]) then
+    redis.call('SET', KEYS[1], pack_owner(gateways .. ',' .. ARGV[10], waiting, tenant, attempt, held), 'KEEPTTL')
+  end
+  return {3, 0, 0, attempt}
+end
+"""
+
+# The admission proper, after the joins (control/policy/admission.py's `decide`, and the token
+# bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
+# position counts.
+_ADMIT_DECIDE = """
+local now = tonumber(ARGV[7])
+local tenanted = ARGV[13] ~= nil
+local lists = {KEYS[2], KEYS[3]}
+if tenanted then lists = {KEYS[2], ARGV[13], KEYS[3], ARGV[14]} end
+local d = {}
+for i, key in ipairs(lists) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  d[i] = redis.call('ZCARD', key)
+end
+local paid, paid_behind, free, free_behind = d[1], 0, d[2], 0
+if tenanted then paid, paid_behind, free, free_behind = d[1], d[2], d[3], d[4] end
+local own, own_behind = KEYS[2], ARGV[13]
+if ARGV[5] == 'free' then own, own_behind = KEYS[3], ARGV[14] end
+local behind, queued, tokens, rate = false, 0, 0, 0
+if tenanted then
+  rate = tonumber(ARGV[22])
+  if rate > 0 then
+    tokens = tonumber(ARGV[23])
+    local bucket = redis.call('HMGET', ARGV[17], 't', 'at')
+    if bucket[1] then
+      tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
+    end
+    if tokens < 1 then
+      return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
+    end
+  end
+  local mine, fair = ARGV[16], tonumber(ARGV[20])
+  redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
+  queued = redis.call('ZCARD', mine)
+  if queued >= fair then
+    -- Entries of requests that left without being removed here (a path that missed
+    -- it) must not hold the share: the oldest are checked against the waiting sets.
+    for _, id in ipairs(redis.call('ZRANGE', mine, 0, tonumber(ARGV[24]) - 1)) do
+      if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
+        redis.call('ZREM', mine, id)
+        queued = queued - 1
+      end
+    end
+  end
+  behind = queued >= fair
+end
+local position = paid + 1
+if ARGV[5] == 'free' then position = position + paid_behind + free end
+if behind then position = position + (ARGV[5] == 'free' and free_behind or paid_behind) end
+if behind and position > tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
+if tenanted and queued >= tonumber(ARGV[21]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if behind then
+  local step = ARGV[5] == 'free' and C.free_priority or C.paid_priority
+  redis.call('SET', KEYS[1], ARGV[18], 'PX', ARGV[2])
+  redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
+  redis.call('LPUSH', ARGV[15], envelope_behind(ARGV[8], step, C.behind_step))
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('ZADD', own, ARGV[3], ARGV[4])
+  redis.call('LPUSH', KEYS[4], ARGV[8])
+end
+if tenanted then
+  redis.call('ZADD', ARGV[16], ARGV[3], ARGV[4])
+  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'GT')
+  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'NX')
+  if rate > 0 then
+    redis.call('HSET', ARGV[17], 't', tokens - 1, 'at', now)
+    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[23]) * 1000 / rate) + 1000)
+  end
+end
+if KEYS[5] then
+  local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
+  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
+end
+"""
+
+# The traffic counters of an admitted request (control/broker/traffic.py): ARGV[7] is the
+# broker's now in ms, ARGV[12] the field it counts in (a caller without it counts nothing).
+ARRIVAL_LUA = """
+if ARGV[12] then
+  local traffic = K.traffic .. math.floor(tonumber(ARGV[7]) / 1000)
+  redis.call('HINCRBY', traffic, ARGV[12], 1)
+  redis.call('EXPIRE', traffic, C.traffic_keep_s)
+end
+"""
+
+# KEYS: owner, waiting paid, waiting free, queue list, [session]; ARGV: `Admit.__call__`'s
+# parameters in its order, then `TenantTerms`' (ARGV[13] on). Returns {status, paid
+# waiting, free waiting, [paid behind, free behind,] extra}: the status an `Admission`.
+ADMIT_LUA = (
+    # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
+    # script (OOM, answered 503). Unflagged, only its first write is checked, and that
+    # one (ZREMRANGEBYSCORE) is allowed at the limit, so the rest would write past it.
+    "#!lua\n"
+    + LUA_LIB
+    + _ADMIT_JOIN
+    + _ADMIT_DECIDE
+    + ARRIVAL_LUA
+    + "return {1, paid, free, paid_behind, free_behind, behind and '1' or ''}\n"
+)
+
+
+# Every script by its name (the broker bench names EVALSHA calls by these).
+SOURCES = {
+    "ADMIT": ADMIT_LUA,
+    "CANCEL": CANCEL_LUA,
+    "RECORD": RECORD_LUA,
+    "CLAIM": CLAIM_LUA,
+    "DELIVER": DELIVER_LUA,
+    "STREAM": STREAM_LUA,
+    "SWEEP_ONE": SWEEP_ONE_LUA,
+    "SWEEP_DEAD": SWEEP_DEAD_LUA,
+    "RESCUE": RESCUE_LUA,
+}
