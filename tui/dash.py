@@ -21,6 +21,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Label, RichLog, Sparkline, Static
 
@@ -152,8 +153,14 @@ class Dashboard(App[None]):
     def _to_screen(self, show: Callable[..., object], *args: object) -> None:
         """Hand a read to the screen's thread; a read that ends after the app closed is dropped."""
         try:
-            self.call_from_thread(show, *args)
+            self.call_from_thread(self._on_screen, show, *args)
         except RuntimeError:  # the app is no longer running
+            pass
+
+    def _on_screen(self, show: Callable[..., object], *args: object) -> None:
+        try:
+            show(*args)
+        except NoMatches:  # the dashboard's screen is gone: the app is closing
             pass
 
     def _auto_step(self) -> tuple[list[Decision], list[ActionResult]]:
