@@ -25,7 +25,8 @@ def read_headers(fp: Any, max_bytes: int = MAX_HEADER_LINE, max_fields: int = MA
     """The request's header block, as the message object pywsgi expects.
 
     pywsgi hands the block to http.client.parse_headers, which runs it through
-    the email package's feed parser: 9% of the gateway's CPU per request here.
+    the email package's feed parser, a visible share of the gateway's CPU per
+    request (docs/decisions/0006 has the profile).
     The header block of an HTTP request needs much less: a line per field,
     split at the first colon. A malformed block (a name that is not a token,
     space before the colon, a bare CR or NUL, obsolete line folding) sets

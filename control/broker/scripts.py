@@ -33,9 +33,9 @@ class DirectScript:
     """A Lua script called straight on a pooled connection.
 
     redis-py's command layer (argument filtering, retry wrapper, response
-    callbacks, redis-py 8's operation timing) costs ~70 us per call here, a
-    tenth of the gateway's CPU per request at the admission call alone; this
-    packs, sends and reads on a connection from the same pool. The pool checks a
+    callbacks, redis-py 8's operation timing) is a visible share of the
+    gateway's CPU per request at the admission call alone (docs/decisions/0006);
+    this packs, sends and reads on a connection from the same pool. The pool checks a
     connection before lending it (a server that closed it is noticed there); one
     that still fails at the send is dropped and the call sent once more on a
     fresh one. A failure after the send is not retried

@@ -159,9 +159,9 @@ def _sentinel(target: SentinelTarget, timeouts: dict[str, Any]) -> Sentinel:
 def _sentinel_kwargs(target: SentinelTarget, bounds: dict[str, Any]) -> dict[str, Any]:
     """How to talk to the sentinels themselves. Without a retry policy of ours, redis-py
     gives each sentinel client its default one (3 retries, jittered backoff up to 8 s): a
-    sentinel that is down then held every master lookup for seconds (measured: 4.5 s, the
-    first answer 6.4 s after a failover instead of 2.6). One try each; the next sentinel
-    is asked at once."""
+    sentinel that is down then holds every master lookup for seconds, and the first answer
+    after a failover comes that much later (docs/decisions/0007). One try each; the next
+    sentinel is asked at once."""
     kwargs: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), **bounds}
     if target.sentinel_password:
         kwargs["password"] = target.sentinel_password

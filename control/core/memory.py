@@ -11,8 +11,8 @@ def freeze_startup_objects() -> None:
     """Move what startup allocated (Celery, kombu, Flask, pydantic, the app) out of
     the collector's reach, so that a full collection scans only what serving made.
 
-    Without it a full collection paused a gateway process for 50-70 ms here, about
-    once in 20 s at 90% load, and every answer due in that time waited for it.
+    Without it a full collection pauses a gateway process for tens of milliseconds,
+    and every answer due in that time waits for it (docs/decisions/0006).
     """
     gc.unfreeze()  # called again (a replica restarted after losing its broker): what froze then may be garbage now
     gc.collect()

@@ -265,8 +265,8 @@ class System:
     def wait(self) -> int:
         """Serve in the foreground, restarting what dies, until Ctrl-C or SIGTERM; then stop everything."""
         # Taken synchronously, not by a handler: a handler that takes a lock
-        # (Event.set) deadlocked when a second signal landed inside it, as the two
-        # SIGTERMs of `timeout` (child, then group) did. Blocked signals stay pending.
+        # (Event.set) deadlocks when a second signal lands inside it, as when
+        # `timeout` sends its two SIGTERMs (docs/supervisor.md). Blocked signals stay pending.
         # SIGCHLD is taken the same way, to notice a death at once.
         stop_signals = {signal.SIGINT, signal.SIGTERM}
         waited = stop_signals | {signal.SIGCHLD}

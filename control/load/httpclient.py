@@ -1,16 +1,16 @@
 """A lean HTTP/1.1 keep-alive client for the load generator (httptools parses).
 
 The load generator shares two cores with the system it measures, so what it
-spends per request is taken from the gateway. aiohttp cost 0.39 ms of CPU per
-request here; this client, an asyncio protocol with httptools' C parser, a
-fraction of that (docs/decisions/0005). It also stamps the answer when its
+spends per request is taken from the gateway. This client, an asyncio protocol
+with httptools' C parser, spends a fraction of aiohttp's CPU per request (the
+figures: docs/decisions/0005). It also stamps the answer when its
 last byte is parsed, not when the waiting coroutine next runs. It does only
 what the load generator needs: one request at a time per connection, bodies
 with Content-Length or chunked, a pool of idle connections reused first-in
 first-out: traffic spreads over every connection, as it does over the
 connections of many users, and so over the gateway's processes. (Reused
-last-in first-out, a few hot connections carried most requests; whichever
-gateway process held them did two thirds of the work.)
+last-in first-out, a few hot connections carry most requests, and whichever
+gateway process holds them does most of the work: docs/decisions/0005.)
 """
 
 from __future__ import annotations

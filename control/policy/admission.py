@@ -114,9 +114,9 @@ def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limit
 
     Paid requests that arrive later still go ahead of a free one until its batch
     starts, so a free request leaves room for the paid traffic expected before the
-    last slot it may ride in starts. (Room for one batch time of paid traffic only,
-    as before, let 15% of free requests in at 2x load that paid ones then pushed
-    past their deadline: a 504 after 600 ms, and a gateway's work for nothing.)
+    last slot it may ride in starts. (Room for one batch time of paid traffic only
+    lets in free requests at 2x load that paid ones then push past their deadline:
+    a 504 after 600 ms, and a gateway's work for nothing; docs/decisions/0004.)
     """
     slots = max_slots(budget_ms, capacity, limits)
     deepest = slots * capacity.max_batch

@@ -43,7 +43,8 @@ class Simulation(FaultSide):
 
     def run(self) -> SimResult:
         """Run to the end. The cyclic garbage collector is off meanwhile: the run makes no
-        cycles, and its passes over millions of short-lived objects cost a fifth of the time."""
+        cycles, and its passes over millions of short-lived objects would only cost time
+        (docs/decisions/0013 has how much)."""
         enabled = gc.isenabled()
         gc.disable()
         try:

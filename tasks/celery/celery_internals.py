@@ -18,8 +18,8 @@ def pace_events(c: Any, interval_s: float, buffer_limit: int) -> None:
 
     With an event loop Celery buffers task events and flushes them on the next
     pass, which for a replica means one Redis PUBLISH (a round trip, and a new
-    client object in kombu's fanout) for nearly every message: that was half of
-    a replica's CPU at 230 requests/s. Flushed on a timer instead, the events
+    client object in kombu's fanout) for nearly every message, a large share of
+    a replica's CPU (docs/decisions/0002). Flushed on a timer instead, the events
     of a whole batch go out in a few `task.multi` messages, which Flower reads
     the same way (and a full buffer, `buffer_limit`, still flushes at once).
     """

@@ -284,7 +284,7 @@ def _lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def _autocast() -> torch.autocast:
-    """bf16 matmuls where the CPU has them (about 1.7x faster here); fp32 weights either way."""
+    """bf16 matmuls where the CPU has them (faster there, docs/models.md); fp32 weights either way."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=_has_bf16())
 
 
