@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from control.core.lifecycle import ReplicaState, parse
+from control.core.vocab import COUNTED_DROPS
 
 # -- owner ------------------------------------------------------------------------------
 
@@ -89,7 +90,6 @@ def parse_held(raw: bytes | str) -> Held:
 # -- the replica's registry entry -------------------------------------------------------
 
 ENGINE_PREFIX = "engine_"  # entry fields that carry the engine's `stats()`
-DROP_REASONS = ("cancelled", "superseded", "expired", "gone")  # counted as `dropped_<reason>`
 
 
 def pack_replica_entry(
@@ -214,7 +214,7 @@ def parse_replica_entry(
         busy=f.get("busy") == "1",
         num_batches=int(f.get("num_batches", 0)),
         num_requests=int(f.get("num_requests", 0)),
-        dropped={reason: int(f.get(f"dropped_{reason}", 0)) for reason in DROP_REASONS},
+        dropped={reason: int(f.get(f"dropped_{reason}", 0)) for reason in COUNTED_DROPS},
         has_lease=has_lease,
         why_not_ready=f.get("why_not_ready", ""),
         clock_offset_ms=float(f.get("clock_offset_ms", 0.0)),

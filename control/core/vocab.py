@@ -21,6 +21,8 @@ BACKENDS: tuple[Backend, ...] = get_args(Backend)
 # the model lost its last replica while the request waited.
 DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica"]
 DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
+# Those a replica counts in its registry entry, as `dropped_<reason>`.
+COUNTED_DROPS: tuple[DropReason, ...] = ("cancelled", "superseded", "expired", "gone")
 # Why a completion ended: a stop sequence, or its max_tokens.
 FinishReason = Literal["stop", "length"]
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)

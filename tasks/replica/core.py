@@ -72,6 +72,10 @@ class ReplicaCore:
         self.stopping = False
         self.stopped = threading.Event()
         self.loop_thread: threading.Thread | None = None  # set once the loop runs
+        self._assemble()
+
+    def _assemble(self) -> None:
+        """The parts that take the core (the replica's loop, intake and operations)."""
 
     def min_run_ms(self) -> float:
         return self.engine.expected_batch_ms() + self.collector.config.margin_ms

@@ -11,17 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from control.core import protocol as p
-from control.core.clock import Clock
 from control.core.lifecycle import ReplicaState, can_transition, transition
-from tasks.engine.contract import Engine
 from tasks.replica import heartbeat
-from tasks.replica.broker import BrokerError, Client
-from tasks.replica.config import ReplicaConfig
+from tasks.replica.broker import BrokerError
 from tasks.replica.core import ReplicaCore
-from tasks.replica.events import EventSink
 from tasks.replica.intake import Intake
 from tasks.replica.loop import Loop
 from tasks.replica.operations import Operations
@@ -30,17 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class Replica(ReplicaCore):
-    def __init__(
-        self,
-        config: ReplicaConfig,
-        engine: Engine,
-        client: Client,
-        clock: Clock,
-        events: EventSink | None = None,
-        wake: Callable[[], object] | None = None,
-        envelope: Callable[[p.Job], str] | None = None,
-    ) -> None:
-        super().__init__(config, engine, client, clock, events, wake, envelope)
+    def _assemble(self) -> None:
         self.intake = Intake(self)
         self.ops = Operations(self)
         self.loop = Loop(self, self.intake, self.ops)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from control.core.vocab import COUNTED_DROPS
+
 
 @dataclass
 class Stats:
@@ -37,6 +39,6 @@ class Stats:
             "taken_shut": self.num_taken_shut,
             "handed_back": self.num_handed_back,
         }
-        for reason in ("cancelled", "superseded", "expired", "gone"):
+        for reason in COUNTED_DROPS:
             fields[f"dropped_{reason}"] = self.dropped[reason]
         return fields
