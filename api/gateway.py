@@ -35,7 +35,7 @@ from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.connect import client_like
 from control.core.settings import Settings
-from control.core.vocab import FREE, PAID, TIERS, Tier
+from control.core.vocab import PAID, TIERS, Tier
 from control.policy import admission
 from control.policy.admission import Capacity, Limits, Verdict
 
@@ -264,16 +264,17 @@ class Gateway:
         tenant = p.tenant_of(job.key)
         fingerprint = body_fingerprint(job) if job.keep_ms else ""  # only a client's own id is joined
         now = self.clock.now_ms()
-        owner = records.pack_owner(self.id, keys.waiting_key(job.model, job.tier), tenant, job.id, fingerprint)
+        lane = keys.lane_keys(job.model, job.tier)
+        owner = records.pack_owner(self.id, lane.waiting, tenant, job.id, fingerprint)
         if fingerprint:
             self._joins(job.key, +1)
         try:
             try:
                 status, paid, free, paid_behind, free_behind, extra = self._admit(
                     owner_key=keys.owner_key(job.key),
-                    waiting_paid=keys.waiting_key(job.model, PAID),
-                    waiting_free=keys.waiting_key(job.model, FREE),
-                    queue=keys.queue_key(job.model, job.tier),
+                    waiting_paid=lane.waiting_paid,
+                    waiting_free=lane.waiting_free,
+                    queue=lane.queue,
                     session=keys.session_key(session_key) if session_key else None,
                     owner=owner,
                     ttl_ms=ttl,
@@ -287,7 +288,7 @@ class Gateway:
                     gateway=self.id,
                     request_key=job.key,
                     arrival_field=traffic.arrival_field(job.model, job.tier),
-                    tenant=self._tenant_terms(job, tenant, deepest, capacity, fingerprint),
+                    tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, fingerprint),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
                 self.health.ok()  # it answered: full (its memory limit), not down
@@ -323,19 +324,19 @@ class Gateway:
         kb = self.settings.max_message_kb_paid if tier == PAID else self.settings.max_message_kb_free
         return kb * 1024
 
-    def _tenant_terms(self, job: p.Job, tenant: str, deepest: int, capacity: Capacity, fingerprint: str) -> TenantTerms:
+    def _tenant_terms(
+        self, job: p.Job, lane: keys.LaneKeys, tenant: str, deepest: int, capacity: Capacity, fingerprint: str
+    ) -> TenantTerms:
         """What the admission script counts the request against its tenant by."""
         policy = self._tenants[job.tier]
         limits = admission.tenant_limits(deepest, capacity, policy)
         return TenantTerms(
-            waiting_paid_behind=keys.waiting_key(job.model, PAID, behind=True),
-            waiting_free_behind=keys.waiting_key(job.model, FREE, behind=True),
-            queue_behind=keys.queue_key(job.model, job.tier, behind=True),
+            waiting_paid_behind=lane.waiting_paid_behind,
+            waiting_free_behind=lane.waiting_free_behind,
+            queue_behind=lane.queue_behind,
             tenant_waiting=keys.tenant_waiting_key(job.model, job.tier, tenant),
             bucket=keys.bucket_key(job.tier, tenant),
-            owner_behind=records.pack_owner(
-                self.id, keys.waiting_key(job.model, job.tier, behind=True), tenant, job.id, fingerprint
-            ),
+            owner_behind=records.pack_owner(self.id, lane.waiting_behind, tenant, job.id, fingerprint),
             deepest_behind=limits.deepest_behind,
             fair_depth=limits.fair_depth,
             max_queued=limits.max_queued,

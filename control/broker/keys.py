@@ -11,10 +11,12 @@ Redis transport keeps the queue in a list of that name, so it is both.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 from control.core import protocol as p
-from control.core.vocab import Tier
+from control.core.vocab import FREE, PAID, Tier
 
 PREFIX = p.PREFIX
 HASH_TAG = p.HASH_TAG
@@ -42,6 +44,35 @@ def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
     priority = p.priority_of(tier) + (p.BEHIND_STEP if behind else 0)
     name = p.queue_name(model)
     return name if priority == 0 else f"{name}{p.PRIORITY_SEP}{priority}"
+
+
+class LaneKeys(NamedTuple):
+    """The keys of one model's tier that admission names for every request."""
+
+    waiting: str  # the tier's waiting set
+    waiting_behind: str
+    waiting_paid: str
+    waiting_free: str
+    waiting_paid_behind: str
+    waiting_free_behind: str
+    queue: str
+    queue_behind: str
+
+
+@functools.lru_cache(maxsize=256)
+def lane_keys(model: str, tier: Tier) -> LaneKeys:
+    """Made once per model and tier (models are the deployment's few): the request path
+    names them on every admission."""
+    return LaneKeys(
+        waiting_key(model, tier),
+        waiting_key(model, tier, behind=True),
+        waiting_key(model, PAID),
+        waiting_key(model, FREE),
+        waiting_key(model, PAID, behind=True),
+        waiting_key(model, FREE, behind=True),
+        queue_key(model, tier),
+        queue_key(model, tier, behind=True),
+    )
 
 
 def reply_key(gateway_id: str) -> str:

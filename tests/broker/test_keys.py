@@ -55,3 +55,14 @@ def test_the_prefix_reaches_a_script_only_through_its_prelude() -> None:
     for name, source in lua.SOURCES.items():
         assert source.count(keys.PREFIX) == lua.PRELUDE.count(keys.PREFIX), name
         assert lua.PRELUDE in source, name
+
+
+def test_a_lanes_keys_are_the_ones_their_functions_make() -> None:
+    for tier in ("paid", "free"):
+        lane = keys.lane_keys("m", tier)
+        assert lane.waiting == keys.waiting_key("m", tier)
+        assert lane.waiting_behind == keys.waiting_key("m", tier, behind=True)
+        assert (lane.waiting_paid, lane.waiting_free) == (keys.waiting_key("m", "paid"), keys.waiting_key("m", "free"))
+        assert lane.waiting_paid_behind == keys.waiting_key("m", "paid", behind=True)
+        assert lane.waiting_free_behind == keys.waiting_key("m", "free", behind=True)
+        assert (lane.queue, lane.queue_behind) == (keys.queue_key("m", tier), keys.queue_key("m", tier, behind=True))
