@@ -159,6 +159,7 @@ class ReplicaInfo:
     batch_p50_ms: float = 0.0  # a batch (static) or a step (continuous)
     batch_p99_ms: float = 0.0
     utilization: float = 0.0  # share of the last 10 s spent running batches or steps
+    cycle_ms: float = 0.0  # measured: a batch slot's whole time on the replica (0.0: not yet)
     heartbeat_age_ms: float = 0.0  # broker clock now minus the replica's last publish
     moving_to: str = ""
     wasted_slots: int = 0  # slots run for requests whose client had gone
@@ -201,6 +202,7 @@ def parse_replica_entry(
         batch_p50_ms=_number(f.get("batch_p50_ms", "0")),
         batch_p99_ms=_number(f.get("batch_p99_ms", "0")),
         utilization=_number(f.get("utilization", "0")),
+        cycle_ms=_number(f.get("cycle_ms", "0")),
         heartbeat_age_ms=max(0.0, now_ms - seen_ms) if now_ms and seen_ms else 0.0,
         moving_to=f.get("moving_to", ""),
         wasted_slots=int(_number(f.get("wasted_slots", "0"))),

@@ -106,6 +106,7 @@ class StaticPolicy:
         r.perf.add(r.batch_started, monotonic_ms())
         finished = [(pending, out, start) for pending, out in zip(batch, outputs, strict=True)]
         self.loop.deliver(finished, len(batch), end, ends_batch=True)
+        r.perf.cycle(monotonic_ms() - r.batch_started)
         r.busy = False
         r.wake()
         r.events.succeeded(batch, (end - start) / 1000.0)
@@ -183,8 +184,11 @@ class ContinuousPolicy:
         self.loop.in_hand = []  # in the engine now, or answered
         if r.engine.has_unfinished():
             self._step()
-            r.loop_times[0] += monotonic_ms() - turn_started_ms
+            turn_ms = monotonic_ms() - turn_started_ms
+            r.loop_times[0] += turn_ms
             r.loop_times[1] += 1
+            # A request's slot is held for the engine's steps per request, each a turn long.
+            r.perf.cycle(turn_ms * r.engine.expected_batch_ms() / r.engine.expected_step_ms())
         self._idle_if_empty()
 
     def _join(self, batch: list[Pending]) -> None:
