@@ -176,7 +176,17 @@ class _FleetCollector(Collector):
         )
         utilization = GaugeMetricFamily(
             "keybatch_replica_utilization",
-            "Share of the last 10 s the replica spent running batches or steps",
+            "Share of the last 10 s the replica's engine spent running batches or steps (its duty cycle)",
+            labels=["replica", "model"],
+        )
+        duty = GaugeMetricFamily(
+            "keybatch_replica_duty_cycle",
+            "The engine's busy time over wall time in the last 10 s (the same figure as keybatch_replica_utilization)",
+            labels=["replica", "model"],
+        )
+        cycle = GaugeMetricFamily(
+            "keybatch_replica_cycle_seconds",
+            "A batch slot's measured time on the replica (median of recent ones): what admission predicts with",
             labels=["replica", "model"],
         )
         wasted_slots = CounterMetricFamily(
@@ -202,9 +212,11 @@ class _FleetCollector(Collector):
             duration.add_metric([*labels, "0.5"], rep.batch_p50_ms / 1000)
             duration.add_metric([*labels, "0.99"], rep.batch_p99_ms / 1000)
             utilization.add_metric(labels, rep.utilization)
+            duty.add_metric(labels, rep.utilization)
+            cycle.add_metric(labels, rep.cycle_ms / 1000)
             wasted_slots.add_metric(labels, rep.wasted_slots)
             wasted_seconds.add_metric(labels, rep.wasted_ms / 1000)
-        yield from (running, batch_now, duration, utilization, wasted_slots, wasted_seconds)
+        yield from (running, batch_now, duration, utilization, duty, cycle, wasted_slots, wasted_seconds)
         yield from _queue_families(self.fleet)
         yield from _engine_families(self.fleet)
         wasted = CounterMetricFamily(

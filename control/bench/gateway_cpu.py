@@ -40,7 +40,8 @@ def _cpu_s(procs: list[psutil.Process]) -> float:
     return total
 
 
-def _commit(checkout: str) -> str:
+def commit_of(checkout: str) -> str:
+    """A checkout's commit, `+dirty` when its tracked files differ from it."""
     git = ["git", "-C", checkout]
     out = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True)
@@ -83,7 +84,7 @@ def run_gateway_cpu(args: argparse.Namespace) -> int:
             run = measure(checkout, args)
             runs[side].append(run)
             print(
-                f"round {round_ + 1} {side:5} ({_commit(checkout)}): gateway "
+                f"round {round_ + 1} {side:5} ({commit_of(checkout)}): gateway "
                 f"{run['gateway_cpu_ms_per_request']:.3f} ms CPU/request, replicas "
                 f"{run['replica_cpu_ms_per_request']:.3f}, p50 {run['p50_ms']:.0f} ms, "
                 f"{run['answered']}/{run['sent']} answered ({time.monotonic() - started:.0f} s)",
@@ -100,7 +101,7 @@ def run_gateway_cpu(args: argparse.Namespace) -> int:
     for side, checkout in sides.items():
         per_request = [run["gateway_cpu_ms_per_request"] for run in runs[side]]
         report[side] = {
-            "commit": _commit(checkout),
+            "commit": commit_of(checkout),
             "gateway_cpu_ms_per_request_median": statistics.median(per_request),
             "runs": runs[side],
         }

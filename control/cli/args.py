@@ -294,3 +294,13 @@ def add_ops_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--action-at", type=float, default=10.0, help="seconds into the load")
     p.add_argument("--seed", type=int, default=1, help="arrivals")
     p.add_argument("--json", default=None, help="write the report here (one entry per action)")
+
+
+def add_cycle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkout", default=None, help="another checkout (a git worktree) to compare with")
+    p.add_argument("--policies", default="static,continuous")
+    p.add_argument("--seconds", type=float, default=8.0, help="seconds of saturation per run")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each side and policy, interleaved")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--batch-ms", type=float, default=250.0)
+    p.add_argument("--json", default=None, help="write all figures here")

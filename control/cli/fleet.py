@@ -66,7 +66,7 @@ def _fleet(op: Operator, args: argparse.Namespace) -> int:
 
 def format_fleet(snap: FleetSnapshot) -> str:
     rows: list[tuple[str, ...]] = [
-        ("REPLICA", "HOST", "PID", "MODEL", "STATE", "HELD", "FILL", "UTIL", "P50/P99 MS", "BEAT MS")
+        ("REPLICA", "HOST", "PID", "MODEL", "STATE", "HELD", "FILL", "DUTY", "CYCLE MS", "P50/P99 MS", "BEAT MS")
     ]
     for r in snap.replicas:
         state = r.state_label + (f"->{r.moving_to}" if r.moving_to else "") + ("" if r.is_ready else "*")
@@ -80,6 +80,7 @@ def format_fleet(snap: FleetSnapshot) -> str:
                 str(r.num_held),
                 f"{r.batch_fill:.0%}",
                 f"{r.utilization:.0%}",
+                f"{r.cycle_ms:.0f}",
                 f"{r.batch_p50_ms:.0f}/{r.batch_p99_ms:.0f}",
                 f"{r.heartbeat_age_ms:.0f}",
             )

@@ -65,6 +65,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from control.cli.args import (
         add_broker_bench_args,
+        add_cycle_args,
         add_dash_bench_args,
         add_engine_bench_args,
         add_gateway_cpu_args,
@@ -87,6 +88,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     add_rebalance_bench_args(
         bench_sub.add_parser("rebalance", help="demand moves between the models: do the replicas follow?")
     )
+    add_cycle_args(bench_sub.add_parser("cycle", help="one saturated replica: does the engine wait for its loop?"))
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
     )
@@ -270,6 +272,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.operations import run_ops
 
         return run_ops(settings, args)
+    if args.bench == "cycle":
+        from control.bench.cycle import run_cycle
+
+        return run_cycle(args)
     if args.bench == "gateway-cpu":
         from control.bench.gateway_cpu import run_gateway_cpu
 

@@ -71,6 +71,8 @@ def replica_json(r: ReplicaInfo) -> dict[str, Any]:
         "max_batch": r.max_batch,
         "batch_fill": round(r.batch_fill, 3),
         "utilization": r.utilization,
+        "duty_cycle": r.utilization,
+        "cycle_ms": r.cycle_ms,
         "batch_p50_ms": r.batch_p50_ms,
         "batch_p99_ms": r.batch_p99_ms,
         "heartbeat_age_ms": round(r.heartbeat_age_ms, 1),

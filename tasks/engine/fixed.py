@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 from control.core.protocol import Job
@@ -77,8 +78,10 @@ class FixedLatencyEngine:
     name: str = SIMULATED
     running: dict[str, _Simulated] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _step_due: float = 0.0  # monotonic s the last step ended on the accelerator's own clock
 
     STEP_MS = 50.0  # the simulated accelerator reports between steps of this length
+    QUEUED = 0.2  # a step asked for within this share of a step after the last one ended was queued behind it
 
     def expected_batch_ms(self) -> float:
         return self.batch_ms
@@ -90,6 +93,8 @@ class FixedLatencyEngine:
         if len(self.running) >= self.max_batch:
             raise ValueError(f"the engine already runs {self.max_batch} requests")
         steps = max(1, round(self.batch_ms / self.expected_step_ms()))
+        if not self.running:  # a batch starts (or an idle engine takes work): when it is asked to
+            self._step_due = 0.0
         self.running[job.id] = _Simulated(job, steps)
 
     def abort_request(self, request_id: str) -> None:
@@ -106,9 +111,7 @@ class FixedLatencyEngine:
     def step(self) -> list[StepOutput]:
         if self.hang and any(self.hang in r.job.prompt for r in self.running.values()):
             self._stop.wait()  # hung: no step ends, nobody is told
-        # The simulated accelerator is busy for one step (an Event wait rather than a
-        # bare sleep so a hard stop can interrupt it).
-        self._stop.wait(self.expected_step_ms() / 1000.0)
+        self._stop.wait(self._step_wait_s())
         done = []
         for request in self.running.values():
             request.steps_left -= 1
@@ -117,6 +120,18 @@ class FixedLatencyEngine:
         for out in done:
             del self.running[out.id]
         return done
+
+    def _step_wait_s(self) -> float:
+        """The simulated accelerator is busy for one step (an Event wait rather than a bare
+        sleep so a hard stop can interrupt it). Like a real one it keeps its own clock: a
+        step asked for right after the last (the host's work between steps, a few ms) was
+        queued behind it and starts when that one ended, so back-to-back steps take
+        `STEP_MS` each and a static batch `batch_ms`, whatever the host does in between."""
+        now = time.monotonic()
+        step_s = self.expected_step_ms() / 1000.0
+        start = self._step_due if 0.0 <= now - self._step_due <= self.QUEUED * step_s else now
+        self._step_due = start + step_s
+        return max(0.0, self._step_due - now)
 
     def _output(self, job: Job) -> StepOutput:
         if self.poison and self.poison in job.prompt:

@@ -68,7 +68,9 @@ class ReplicaCore:
         self.loop_times = [0.0, 0]  # continuous: ms spent in turns of the loop that stepped, and those turns
         self.moving_to = ""  # the model a move loads once the replica is drained
         self.batch_started = 0.0  # monotonic ms of the running batch's (or step's) start
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)  # the loop's: work arrived, a batch ended, a state changed
+        self.engine_cond = threading.Condition(self.lock)  # the engine's thread's: a batch is staged
         self.stopping = False
         self.stopped = threading.Event()
         self.loop_thread: threading.Thread | None = None  # set once the loop runs
@@ -107,7 +109,7 @@ class ReplicaCore:
         if not self.is_taking():
             return False
         if self.engine.continuous:
-            return self.gate.wants_continuous(len(self.collector), self.engine.free_slots())
+            return self.gate.wants_continuous(len(self.collector), max(0, self.engine.max_batch - len(self.joined)))
         return self.gate.wants(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
     def reopens_at_ms(self) -> float | None:

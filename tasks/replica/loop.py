@@ -5,11 +5,14 @@
   popped if one is due;
 - settle: tell the waiting-room and the gateways which requests left the buffer, and
   claim the batch (a request another replica claimed first runs there);
-- run: the policy's (policies.py): a static batch to its end, or a continuous engine's
-  joins and one step;
+- run: hand the batch to the engine's own thread (device.py): a static batch is staged
+  to start the moment the engine frees, a continuous engine's joins go in before its
+  next step;
 - deliver: answer every finished request in one delivery script.
 
-Both policies run these same phases; `policies.py` holds only what differs.
+The engine never waits for these: the loop takes and settles the next batch while the
+engine runs this one, and answers a finished batch while the next runs (an overlapped
+cycle). Both policies run these same phases; `policies.py` holds only what differs.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class Loop:
                 r.renew_lease_if_due()
                 self.ops.check_drained()
                 r.collector.config.batch_ms = r.engine.expected_batch_ms()  # measured, where the engine can
-                if due:
+                self.policy.finish()
+                if due and self.policy.takes():
                     self.in_hand, dropped = self.take()
                     self.in_hand = self.settle(self.in_hand, dropped)
                     self.policy.run(self.in_hand, started)
@@ -59,6 +63,7 @@ class Loop:
                 log.exception("batching loop error; %d requests in hand, %d running", len(self.in_hand), len(r.joined))
                 self.fail()
                 r.stopped.wait(0.1)
+        self.policy.close()
 
     # -- take ----------------------------------------------------------------------
 
@@ -107,7 +112,7 @@ class Loop:
             if reason is None:
                 continue
             r.stats.waste(1, max(0.0, now_ms - joined) / running)  # ran until now for nobody
-            r.engine.abort_request(attempt)
+            self.policy.abort([attempt])
             del r.joined[attempt]
             r.streams.forget(attempt)
             gone[reason].append(pending)
@@ -156,7 +161,7 @@ class Loop:
         log.info("%d requests of the batch run on another replica", len(lost))
         r.broker.forget_held(lost)
         kept = [pd for pd, ok in zip(batch, claimed, strict=True) if ok]
-        if not kept and not r.engine.continuous:  # a continuous loop decides after its turn
+        if not kept and not r.engine.continuous and not self.policy.running():  # continuous: after its turn
             r.busy = False
             r.rejoin_idle()  # `settle` took it out of the idle list for a batch it does not run
         return kept
@@ -211,13 +216,12 @@ class Loop:
         engine and take the replica out of busy."""
         r = self.replica
         running = [pending for pending, _start in r.joined.values()]
-        for attempt in list(r.joined):
-            r.engine.abort_request(attempt)
+        self.policy.abort(list(r.joined))
         r.joined.clear()
         r.streams.clear()
         batch = [pd for pd in self.in_hand if pd.id not in {rp.id for rp in running}] + running
         self.in_hand = []
-        r.busy = False
+        r.busy = self.policy.running()  # a static batch on the engine goes on
         if not batch:
             return
         try:
@@ -229,7 +233,8 @@ class Loop:
         r = self.replica
         jobs = [held(pending).job for pending in batch]
         failures = [p.Failed(id=job.id, message=message, replica=r.name) for job in jobs]
-        r.broker.reply(failures, jobs, idle=(r.model, r.idle_until_ms()))
-        r.busy = False
+        running = self.policy.running()
+        r.broker.reply(failures, jobs, idle=None if running else (r.model, r.idle_until_ms()))
+        r.busy = running
         r.wake()
         r.events.failed(batch, message)

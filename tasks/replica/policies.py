@@ -9,12 +9,15 @@
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from control.core import protocol as p
-from tasks.engine.contract import RequestError, RequestStatus, StepOutput, refused, run_batch
+from tasks.engine.contract import RequestStatus, StepOutput, run_batch
 from tasks.policy.collector import Pending
+from tasks.replica.device import Device, StepDevice, Stepped
 from tasks.replica.intake import held
 from tasks.replica.lease import monotonic_ms
 
@@ -23,7 +26,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Finished = tuple[Pending, StepOutput, float]  # a request, its final output, when its batch (or it) started
+MIN_LEAD_MS = 5.0  # the next static batch is taken at least this long before the engine frees
+PREP_SAMPLES = 15
+
+Finished = tuple[Pending, StepOutput, float]
+
+
+def standby(max_batch: int) -> int:
+    """Requests a continuous engine's thread holds ready beyond its free slots, so a slot
+    freed by a step is filled at the next one, not a turn of the loop later."""
+    return max(1, max_batch // 4)  # a request, its final output, when its batch (or it) started
 
 
 class Phases(Protocol):
@@ -56,36 +68,94 @@ class Policy(Protocol):
 
     def run(self, batch: list[Pending], turn_started_ms: float) -> None: ...
 
+    def takes(self) -> bool:
+        """Is a take due now (a turn may be due only to answer a finished batch)?"""
+        ...
+
+    def finish(self) -> None:
+        """Answer what the engine finished since the last turn."""
+        ...
+
+    def running(self) -> bool:
+        """Does the engine hold (or is it about to run) work of this policy's own?"""
+        ...
+
+    def abort(self, attempts: list[str]) -> None:
+        """Running requests that leave the engine before its next step."""
+        ...
+
+    def close(self) -> None:
+        """The loop has ended."""
+        ...
+
 
 class StaticPolicy:
+    """Static batches, overlapped: the loop takes, settles and claims the next batch while
+    the engine runs this one (device.py), and answers a finished batch while the next runs."""
+
     def __init__(self, replica: ReplicaCore, loop: Phases, hold: Callable[[list[p.Job]], None]) -> None:
         self.replica = replica
         self.loop = loop
         self.hold = hold  # the intake's recorder thread
+        self.device = Device(replica, self._run_engine)
+        self._prep_ms: deque[float] = deque(maxlen=PREP_SAMPLES)  # a take and settle, start to staged
+
+    def lead_ms(self) -> float:
+        """How long before the engine frees the next batch is taken: twice the measured take
+        and settle, so it is staged when the engine is free."""
+        measured = 2 * statistics.median(self._prep_ms) if self._prep_ms else 0.0
+        return min(max(MIN_LEAD_MS, measured), self.replica.engine.expected_batch_ms() / 4)
+
+    def _engine_in_ms(self) -> float | None:
+        """Under the lock: how long until a batch taken now is due on the engine (0: now);
+        None while one is staged already."""
+        if self.device.staged is not None:
+            return None
+        return max(0.0, self.device.frees_in_ms(monotonic_ms()) - self.lead_ms())
+
+    def _due(self, now_ms: float) -> bool:
+        r = self.replica
+        wait = r.collector.wait_ms(now_ms)
+        return (wait == 0 or (wait is not None and r.is_flushing())) and self._engine_in_ms() == 0
 
     def wait(self) -> bool | None:
         r = self.replica
         with r.cond:
             while True:
-                wait = r.collector.wait_ms(r.clock.now_ms())
-                if wait is None and r.stopping:
+                if self.device.done:
+                    return True
+                now = r.clock.now_ms()
+                wait = r.collector.wait_ms(now)
+                if wait is None and r.stopping and self.device.idle():
                     return None
-                if wait == 0 or (wait is not None and r.is_flushing()):
+                if self._due(now):
                     return True
                 renew_in = r.lease.due_in_ms()
                 if renew_in <= 0:
                     return False
-                r.cond.wait(min(renew_in, wait if wait is not None else renew_in) / 1000.0)
+                timeout = renew_in
+                engine_in = self._engine_in_ms()
+                if wait is not None and engine_in is not None:
+                    timeout = min(timeout, max(0.0 if r.is_flushing() else wait, engine_in))
+                r.cond.wait(max(timeout, 0.1) / 1000.0)
+
+    def takes(self) -> bool:
+        r = self.replica
+        with r.cond:
+            return self._due(r.clock.now_ms())
+
+    def running(self) -> bool:
+        with self.replica.cond:
+            return not self.device.idle()
 
     def room(self) -> tuple[int, int]:
         return self.replica.collector.num_free(), self.replica.collector.num_behind()
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
-        due = r.collector.wait_ms(now_ms) == 0 or r.is_flushing()
-        batch = r.collector.pop_batch() if due else []
-        if batch:
-            r.gate.start(now_ms, r.engine.expected_batch_ms())
+        batch = r.collector.pop_batch() if self._due(now_ms) else []
+        if batch:  # it starts when the engine frees
+            r.gate.start(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
             r.batch_started = monotonic_ms()
         return batch
 
@@ -93,23 +163,48 @@ class StaticPolicy:
         self.hold(jobs)
 
     def run(self, batch: list[Pending], turn_started_ms: float) -> None:
+        """Stage the batch for the engine, which starts it the moment it is free."""
         if not batch:
             return
         r = self.replica
-        jobs = [held(pending).job for pending in batch]
         r.events.started(batch)
         r.stats.last_batch_size = len(batch)  # shown while it runs
-        start = r.clock.now_ms()
+        with r.cond:
+            self.device.stage(batch)
+        self.loop.in_hand = []  # the engine's now: `finish` answers them
+        self._prep_ms.append(monotonic_ms() - turn_started_ms)
+
+    def finish(self) -> None:
+        """Answer the batches the engine finished (one delivery each), in order."""
+        r = self.replica
+        while True:
+            with r.cond:
+                if not self.device.done:
+                    return
+                ran = self.device.done.popleft()
+                last = self.device.idle()  # only this thread stages: it stays so until it answers
+            self.loop.in_hand = ran.batch
+            finished = [(pending, out, ran.start_ms) for pending, out in zip(ran.batch, ran.outputs, strict=True)]
+            self.loop.deliver(finished, len(ran.batch), ran.end_ms, ends_batch=last)
+            self.loop.in_hand = []
+            if last:
+                r.busy = False
+            r.wake()
+            r.events.succeeded(ran.batch, (ran.end_ms - ran.start_ms) / 1000.0)
+
+    def abort(self, attempts: list[str]) -> None:
+        """A static batch aborts its own requests between steps (`BatchRun.cancelled`)."""
+
+    def close(self) -> None:
+        with self.replica.cond:
+            self.device.close()
+
+    def _run_engine(self, batch: list[Pending]) -> list[StepOutput]:
+        """On the engine's thread: one batch to its end."""
+        r = self.replica
+        jobs = [held(pending).job for pending in batch]
         with r.watchdog.engine_running():
-            outputs = self._run_isolating(jobs, BatchRun(r, batch))
-        end = r.clock.now_ms()
-        r.perf.add(r.batch_started, monotonic_ms())
-        finished = [(pending, out, start) for pending, out in zip(batch, outputs, strict=True)]
-        self.loop.deliver(finished, len(batch), end, ends_batch=True)
-        r.perf.cycle(monotonic_ms() - r.batch_started)
-        r.busy = False
-        r.wake()
-        r.events.succeeded(batch, (end - start) / 1000.0)
+            return self._run_isolating(jobs, BatchRun(r, batch))
 
     def _run_isolating(self, jobs: list[p.Job], control: BatchRun) -> list[StepOutput]:
         """Run a batch; if the engine raises, find the request that makes it raise by
@@ -146,31 +241,45 @@ class BatchRun:
 
 
 class ContinuousPolicy:
+    """Continuous batching, overlapped: the engine's thread (device.py) steps back to back;
+    between its steps the loop's joins and aborts go in, and the loop answers what a step
+    finished while the next one runs."""
+
     def __init__(self, replica: ReplicaCore, loop: Phases) -> None:
         self.replica = replica
         self.loop = loop
+        self.device = StepDevice(replica)
+
+    def free_slots(self) -> int:
+        """Requests a take may bring to join: the engine's slots not running nor staged,
+        and a few more that wait staged for slots the next steps free (`standby`)."""
+        engine = self.replica.engine
+        return max(0, engine.max_batch + standby(engine.max_batch) - len(self.replica.joined))
 
     def wait(self) -> bool | None:
         r = self.replica
         with r.cond:
             while True:
-                running = r.engine.has_unfinished()
-                can_join = len(r.collector) > 0 and r.engine.free_slots() > 0
-                if running or can_join:
+                if self.device.done:
                     return True
-                if r.stopping and not r.collector:
+                if len(r.collector) > 0 and self.free_slots() > 0:
+                    return True
+                if r.stopping and not r.collector and not r.joined and self.device.idle():
                     return None
                 renew_in = r.lease.due_in_ms()
                 if renew_in <= 0:
                     return True
                 r.cond.wait(renew_in / 1000.0)
 
+    def takes(self) -> bool:
+        return True
+
     def room(self) -> tuple[int, int]:
-        return min(self.replica.collector.num_free(), self.replica.engine.free_slots()), 0
+        return min(self.replica.collector.num_free(), self.free_slots()), 0
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
-        batch = r.collector.pop_batch(limit=r.engine.free_slots())
+        batch = r.collector.pop_batch(limit=self.free_slots())
         if batch:
             r.busy = True
         return batch
@@ -178,49 +287,55 @@ class ContinuousPolicy:
     def record(self, jobs: list[p.Job]) -> None:
         self.replica.broker.record_held(jobs)
 
-    def run(self, batch: list[Pending], turn_started_ms: float) -> None:
-        r = self.replica
-        self._join(batch)
-        self.loop.in_hand = []  # in the engine now, or answered
-        if r.engine.has_unfinished():
-            self._step()
-            turn_ms = monotonic_ms() - turn_started_ms
-            r.loop_times[0] += turn_ms
-            r.loop_times[1] += 1
-            # A request's slot is held for the engine's steps per request, each a turn long.
-            r.perf.cycle(turn_ms * r.engine.expected_batch_ms() / r.engine.expected_step_ms())
-        self._idle_if_empty()
+    def running(self) -> bool:
+        return False  # what runs is in the replica's `joined`
 
-    def _join(self, batch: list[Pending]) -> None:
+    def abort(self, attempts: list[str]) -> None:
+        with self.replica.cond:
+            self.device.stage(aborts=attempts)
+
+    def close(self) -> None:
+        with self.replica.cond:
+            self.device.close()
+
+    def run(self, batch: list[Pending], turn_started_ms: float) -> None:
+        """Stage the batch's requests to join the engine before its next step."""
         r = self.replica
-        refusals: list[tuple[p.Job, p.Result | p.Failed]] = []
         now = r.clock.now_ms()
+        jobs = []
         for pending in batch:
             job = held(pending).job
             if job.id in r.joined:  # a second copy of a running request (a rescue raced
                 continue  # its record): it runs once; copies in one batch: `Collector.pop_batch`
-            try:
-                r.engine.add_request(job)
-            except RequestError as err:
-                refusals.append((job, self.loop.result(job, refused(job.id, err), 1, now, now)))
-                continue
             r.joined[job.id] = (pending, now)
-        if refusals:
-            r.broker.reply([item for _job, item in refusals], [job for job, _item in refusals])
-        if batch:
+            jobs.append(job)
+        if jobs:
+            with r.cond:
+                self.device.stage(joins=jobs)
             r.events.started([pending for pending in batch if pending.id in r.joined])
+        self.loop.in_hand = []  # the engine's now: `finish` answers them
+        self._idle_if_empty()
 
-    def _step(self) -> None:
+    def finish(self) -> None:
+        """Stream and answer what the engine's steps gave since the last turn."""
         r = self.replica
-        r.batch_started = monotonic_ms()
-        num_running = len(r.joined)
-        with r.watchdog.engine_running():
-            outputs = r.engine.step()
-        r.perf.add(r.batch_started, monotonic_ms())
+        while True:
+            with r.cond:
+                if not self.device.done:
+                    break
+                stepped = self.device.done.popleft()
+            self._answer(stepped)
+        self._idle_if_empty()
+
+    def _answer(self, stepped: Stepped) -> None:
+        r = self.replica
         finished: list[Finished] = []
-        for out in outputs:
+        for request_id in stepped.joined:  # running from now: its start, for its answer and its waste
+            if (entry := r.joined.get(request_id)) is not None:
+                r.joined[request_id] = (entry[0], stepped.joined_ms)
+        for out in stepped.refused + stepped.outputs:
             entry = r.joined.get(out.id)
-            if entry is None:
+            if entry is None:  # aborted, or answered already
                 continue
             if out.is_finished:
                 pending, joined_ms = r.joined.pop(out.id)
@@ -229,8 +344,8 @@ class ContinuousPolicy:
                 r.streams.add(held(entry[0]).job, out.delta)
         r.streams.flush()
         if finished:
-            end = r.clock.now_ms()
-            self.loop.deliver(finished, num_running, end, ends_batch=False)
+            end = stepped.end_ms
+            self.loop.deliver(finished, max(1, stepped.running), end, ends_batch=False)
             r.events.succeeded([pd for pd, _out, _start in finished], (end - finished[0][0].arrived_ms) / 1000.0)
         r.wake()
 
@@ -238,8 +353,10 @@ class ContinuousPolicy:
         """The engine holds nothing, whatever emptied it (the last request finished, was
         cancelled or expired, lost its claim or was refused): the replica is idle."""
         r = self.replica
-        if not r.busy or r.engine.has_unfinished() or r.joined:
+        if not r.busy or r.joined:
             return
         with r.cond:
+            if not self.device.idle():
+                return
             r.busy = False
         r.broker.mark_idle(r.model, r.idle_until_ms())
