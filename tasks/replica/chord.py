@@ -62,7 +62,7 @@ BATCH_TASK = "keybatch.chord.batch"
 RESULT_PREFIX = keys.key("chord") + ":"  # the result backend's keys and channels (the replica's ACL)
 RESULT_EXPIRES_S = 60  # a header's results and counters outlive their batch by this much at most
 POOL_THREADS = 4  # the members and the body run in the worker's pool, beside the consumer
-WAIT_STEP_S = 0.05  # the loop thread renews its lease this often while a chord runs
+WAIT_STEP_S = 0.02  # the loop thread renews its lease this often while a chord runs
 HOP_START_MS = 50.0  # the chord's hop before one is measured (`ChordPolicy._hop`)
 HOP_WEIGHT = 0.3  # of the newest measure in the estimate
 LATE_MS = 1000.0  # a body this late after the batch's last deadline is not awaited
@@ -87,6 +87,8 @@ def configure(app: Celery, settings: Settings, replica: str) -> None:
         result_expires=RESULT_EXPIRES_S,
         task_queues=[*app.conf.task_queues, Queue(queue, Exchange(""), routing_key=queue, no_ack=True)],
     )
+    for name in ("celery.app.trace", "celery.worker.strategy"):  # a line per task received and run
+        logging.getLogger(name).setLevel(logging.WARNING)
     app.task(name=MEMBER_TASK, bind=True, ignore_result=False)(_member)
     app.task(name=BATCH_TASK, bind=True, ignore_result=True)(_batch)
 
@@ -170,15 +172,26 @@ class ChordPolicy(StaticPolicy):
         state = ChordBatch(batch, turn_started_ms, len(batch) + 1)
         with self._lock:
             self.batches[batch_id] = state
-        self._send(batch_id, batch)
+        sender = threading.Thread(target=self._send, args=(batch_id, state), name=f"chord-{r.name}", daemon=True)
+        sender.start()  # publishing a whole header can outlast the lease: the loop renews it meanwhile
         self.num_chords += 1
         self._await(batch_id, state)
 
-    def _send(self, batch_id: str, batch: list[Pending]) -> None:
+    def _send(self, batch_id: str, state: ChordBatch) -> None:
+        """Publish the chord (one message per member, then its size in the backend); a
+        failure goes to the loop thread, whose fail path answers the batch."""
         q = self.queue
         member, body = self.app.tasks[MEMBER_TASK], self.app.tasks[BATCH_TASK]
-        header = group(member.s(held(pd).job.model_dump(mode="json"), batch_id).set(queue=q) for pd in batch)
-        chord(header, body.s(batch_id).set(queue=q)).apply_async()
+        header = group(
+            member.s(pd.id, pd.deadline_ms, batch_id).set(queue=q, argsrepr=pd.id, kwargsrepr="") for pd in state.batch
+        )
+        try:
+            chord(header, body.s(batch_id).set(queue=q)).apply_async()
+        except Exception as exc:
+            if state.take():
+                self._forget(batch_id)
+                state.error = exc
+                state.done.set()
 
     def _await(self, batch_id: str, state: ChordBatch) -> None:
         """Wait for the body to run the batch, renewing the lease; run it here if the
@@ -208,14 +221,13 @@ class ChordPolicy(StaticPolicy):
 
     # -- in the worker's pool: the chord's tasks -----------------------------------
 
-    def check(self, job: dict[str, Any], batch_id: str) -> str | None:
+    def check(self, request_id: str, deadline_ms: float, batch_id: str) -> str | None:
         """A member: why its request must not run (None: it runs)."""
         self._pulled(batch_id)
         r = self.replica
-        request_id = str(job["id"])
         reason = r.broker.cancels_and_paid(r.model, [request_id], 0)[0].get(request_id)
         # The hop is behind it now: the collector's margin less the hop.
-        if reason is None and r.clock.now_ms() + r.collector.config.batch_ms + self.base_margin_ms > job["deadline_ms"]:
+        if reason is None and r.clock.now_ms() + r.collector.config.batch_ms + self.base_margin_ms > deadline_ms:
             reason = "expired"
         return reason
 
@@ -260,9 +272,9 @@ def _policy(app: Celery) -> ChordPolicy:
     return policy
 
 
-def _member(self: Any, job: dict[str, Any], batch_id: str) -> str | None:
+def _member(self: Any, request_id: str, deadline_ms: float, batch_id: str) -> str | None:
     """Header task of a batch's chord: its request's reason not to run, or None."""
-    return _policy(self.app).check(job, batch_id)
+    return _policy(self.app).check(request_id, deadline_ms, batch_id)
 
 
 def _batch(self: Any, reasons: list[str | None], batch_id: str) -> None:
