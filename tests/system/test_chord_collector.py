@@ -15,8 +15,19 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 import requests
+from celery import Celery
 
-from tasks.replica.chord import RESULT_PREFIX
+from control.broker import keys
+from control.core import protocol as p
+from control.core.clock import BrokerClock
+from control.core.settings import Settings
+from control.fleet.valkey import EmbeddedBroker
+from tasks.celery.app import make_celery
+from tasks.engine.fixed import FixedLatencyEngine
+from tasks.policy.collector import CollectorConfig
+from tasks.replica.chord import RESULT_PREFIX, ChordBatch, ChordPolicy, chord_queue, configure
+from tasks.replica.config import ReplicaConfig
+from tasks.replica.replica import Replica
 from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
 
 MAX_BATCH = 4
@@ -88,3 +99,85 @@ def test_a_cancel_before_the_batch_leaves_it_out_of_the_chord(kb_chord: Deployme
     assert _members_run(kb_chord) == before_members
     assert kb_chord.post().status_code == 200  # the replica serves on
     assert _members_run(kb_chord) - before_members == 1
+
+
+# -- the chord's tasks on a real Valkey, run as the worker's pool would run them --------
+
+
+@pytest.fixture
+def valkey() -> Iterator[EmbeddedBroker]:
+    with EmbeddedBroker() as broker:
+        yield broker
+
+
+@pytest.fixture
+def state(valkey: EmbeddedBroker) -> redis.Redis:
+    return redis.Redis.from_url(valkey.url)
+
+
+def test_a_cancel_that_lands_during_the_hop_is_honoured_and_each_request_answered_once(state: redis.Redis) -> None:
+    """A request cancelled after its batch was taken, before its member ran: the member
+    drops it, the body runs the others, and a second body (a duplicate) answers nothing."""
+    clock = BrokerClock(state)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
+    config = ReplicaConfig("r-chord", MODEL, CollectorConfig(max_batch=4, batch_ms=20.0))
+    replica = Replica(config, engine, state, clock)
+    policy = ChordPolicy(replica, replica.loop, replica.intake.hold, Celery(set_as_current=False), "unused")
+    now = clock.now_ms()
+    batch = [replica.intake.pending(_job(i, now)) for i in range(3)]
+    for i in range(3):  # admitted: each has an owner pointing at "gw"
+        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+    policy.batches["b1"] = ChordBatch(batch, now, len(batch) + 1)
+    state.set(keys.cancel_key("a1"), "cancelled")  # after the take, before the members
+
+    reasons = [policy.check(pd.id, pd.deadline_ms, "b1") for pd in batch]
+    assert reasons == [None, "cancelled", None]
+    assert policy.num_unpulled() == 1  # the body
+    policy.run_members("b1", reasons)
+    policy.run_members("b1", reasons)  # a duplicate body
+    answers = [item for raw in state.lrange(keys.reply_key("gw"), 0, -1) for item in _items(raw)]
+    assert sorted((a["id"], a["kind"]) for a in answers) == [("a0", "result"), ("a1", "dropped"), ("a2", "result")]
+    assert {a["batch_size"] for a in answers if a["kind"] == "result"} == {2}
+    assert replica.stats.dropped["cancelled"] == 1
+    assert (replica.stats.num_batches, replica.stats.num_requests) == (1, 2)  # the duplicate ran nothing
+    assert not replica.busy and not policy.batches
+
+
+def _job(i: int, now_ms: float, deadline_ms: float = 5_000) -> p.Job:
+    return p.Job(
+        id=f"a{i}",
+        key=f"t:r{i}",
+        model=MODEL,
+        prompt=f"x{i}",
+        gateway="gw",
+        received_ms=now_ms,
+        deadline_ms=now_ms + deadline_ms,
+    )
+
+
+def _items(raw: bytes) -> list[dict]:
+    return p.Reply.model_validate_json(raw).model_dump()["items"]
+
+
+def test_a_chord_that_never_starts_runs_its_batch_without_it_once(valkey: EmbeddedBroker, state: redis.Redis) -> None:
+    """Nobody pulls the chord queue: by the batch's last deadline (plus a second) the loop
+    runs the batch itself, and each request is answered once."""
+    settings = Settings(redis_url=valkey.url, models={MODEL: MODEL})
+    app = make_celery(settings)
+    configure(app, settings, "r-lost")
+    clock = BrokerClock(state)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
+    config = ReplicaConfig("r-lost", MODEL, CollectorConfig(max_batch=4, batch_ms=20.0))
+    replica = Replica(config, engine, state, clock)
+    policy = ChordPolicy(replica, replica.loop, replica.intake.hold, app, chord_queue("r-lost"))
+    now = clock.now_ms()
+    batch = [replica.intake.pending(_job(i, now, deadline_ms=300)) for i in range(3)]
+    for i in range(3):
+        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+    started = time.monotonic()
+    policy.run(batch, now)
+    assert 1.0 < time.monotonic() - started < 3.0
+    assert state.llen(chord_queue("r-lost")) == 3  # the members, sent and never pulled
+    assert policy.num_ran_without == 1 and not policy.batches
+    answers = [item for raw in state.lrange(keys.reply_key("gw"), 0, -1) for item in _items(raw)]
+    assert sorted((a["id"], a["kind"]) for a in answers) == [("a0", "result"), ("a1", "result"), ("a2", "result")]
