@@ -160,6 +160,13 @@ class ChordPolicy(StaticPolicy):
         with self._lock:
             return sum(b.num_unpulled for b in self.batches.values())
 
+    def pop(self, now_ms: float) -> list[Pending]:
+        """The static policy's pop; the pull gate expects the batch to end a hop later."""
+        batch = super().pop(now_ms)
+        if batch:
+            self.replica.gate.start(now_ms, self.replica.engine.expected_batch_ms() + self.hop_ms)
+        return batch
+
     def run(self, batch: list[Pending], turn_started_ms: float) -> None:
         if not batch:
             return
