@@ -7,8 +7,9 @@ the strategy buffers, the collector (tasks/policy/collector.py) says when a batc
 closes (`max_batch` requests, or its oldest request's wait and tightest deadline), the
 loop takes and claims it. Then, instead of running it:
 
-- the replica sends `chord(group(member(job) ...), batch(batch_id))` to its own queue
-  (`chord_queue`): one header task per request, carrying the request;
+- the replica sends `chord(group(member(id, deadline, batch_id) ...), batch(batch_id))`
+  to its own queue (`chord_queue`), from a thread of its own while the loop thread
+  renews the lease: one header task per request (the request itself stays held here);
 - each member runs as an ordinary Celery task in the worker's pool: it reads its
   request's cancel key and returns the reason it must not run (cancelled, superseded,
   gone, expired) or None; its result goes to the result backend, and the backend's
@@ -255,6 +256,7 @@ class ChordPolicy(StaticPolicy):
             else:
                 self.replica.busy = False
                 self.replica.rejoin_idle()
+                self.replica.wake()
         except Exception as exc:  # handed to the loop thread, whose fail path answers
             state.error = exc
         finally:

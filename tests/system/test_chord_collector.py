@@ -181,3 +181,27 @@ def test_a_chord_that_never_starts_runs_its_batch_without_it_once(valkey: Embedd
     assert policy.num_ran_without == 1 and not policy.batches
     answers = [item for raw in state.lrange(keys.reply_key("gw"), 0, -1) for item in _items(raw)]
     assert sorted((a["id"], a["kind"]) for a in answers) == [("a0", "result"), ("a1", "result"), ("a2", "result")]
+
+
+def test_a_chord_whose_members_all_drop_leaves_the_replica_idle(state: redis.Redis) -> None:
+    clock = BrokerClock(state)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=20.0)
+    replica = Replica(
+        ReplicaConfig("r-empty", MODEL, CollectorConfig(max_batch=4, batch_ms=20.0)), engine, state, clock
+    )
+    policy = ChordPolicy(replica, replica.loop, replica.intake.hold, Celery(set_as_current=False), "unused")
+    now = clock.now_ms()
+    batch = [replica.intake.pending(_job(i, now)) for i in range(2)]
+    for i in range(2):
+        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+        state.set(keys.cancel_key(f"a{i}"), "gone")
+    replica.busy = True  # as the take left it
+    policy.batches["b1"] = ChordBatch(batch, now, len(batch) + 1)
+    policy.run_members("b1", [policy.check(pd.id, pd.deadline_ms, "b1") for pd in batch])
+    answers = [item for raw in state.lrange(keys.reply_key("gw"), 0, -1) for item in _items(raw)]
+    assert sorted((a["id"], a["kind"], a["reason"]) for a in answers) == [
+        ("a0", "dropped", "gone"),
+        ("a1", "dropped", "gone"),
+    ]
+    assert replica.stats.num_batches == 0 and replica.stats.dropped["gone"] == 2
+    assert not replica.busy and state.zscore(keys.idle_key(MODEL), "r-empty") is not None
