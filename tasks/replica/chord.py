@@ -90,8 +90,9 @@ def configure(app: Celery, settings: Settings, replica: str) -> None:
     )
     for name in ("celery.app.trace", "celery.worker.strategy"):  # a line per task received and run
         logging.getLogger(name).setLevel(logging.WARNING)
-    app.task(name=MEMBER_TASK, bind=True, ignore_result=False)(_member)
-    app.task(name=BATCH_TASK, bind=True, ignore_result=True)(_batch)
+    # No task events of their own: the replica sends its requests' (CeleryEvents).
+    app.task(name=MEMBER_TASK, bind=True, ignore_result=False, send_events=False)(_member)
+    app.task(name=BATCH_TASK, bind=True, ignore_result=True, send_events=False)(_batch)
 
 
 def _sentinel(options: dict[str, object]) -> dict[str, object]:
