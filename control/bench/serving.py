@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -26,6 +27,8 @@ PAID_KEY, FREE_KEY = "bench-paid", "bench-free"
 def run_serving(settings: Settings, args: argparse.Namespace) -> int:
     """Each scenario on a fresh deployment, so one cannot leave work for the next."""
     results: dict[str, object] = {}
+    if getattr(args, "collector", None):  # the deployment's processes take their settings from the environment
+        os.environ["KEYBATCH_COLLECTOR"] = args.collector
     for name in [s for s in args.scenarios.split(",") if s]:
         batch = args.overload_batch if name == "overload" else None
         with fixed_fleet(args.workers, PAID_KEY, FREE_KEY, batch) as (url, model, s):
@@ -33,9 +36,13 @@ def run_serving(settings: Settings, args: argparse.Namespace) -> int:
             print(
                 f"\n== {name}: {args.workers} replicas x {s.max_batch} per {s.batch_ms:.0f} ms (fixed backend, "
                 f"simulated) = {capacity:.0f} req/s; max_wait {s.max_wait_ms:.0f} ms; "
-                f"gateway {s.api_worker_class} x{s.api_processes}"
+                f"gateway {s.api_worker_class} x{s.api_processes}; {s.collector} collector"
             )
-            results[name] = {"capacity_rps": capacity, **SCENARIOS[name](url, model, capacity, s, args)}
+            results[name] = {
+                "capacity_rps": capacity,
+                "collector": s.collector,
+                **SCENARIOS[name](url, model, capacity, s, args),
+            }
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

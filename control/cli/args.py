@@ -21,6 +21,12 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="max_batch for the 2x-capacity scenario (default: KEYBATCH_MAX_BATCH, 64)",
     )
+    p.add_argument(
+        "--collector",
+        choices=["native", "chord"],
+        default=None,
+        help="how the replicas run a batch (default: KEYBATCH_COLLECTOR, native; docs/decisions/0001-collector.md)",
+    )
     p.add_argument("--json", default=None, help="write all figures here")
 
 

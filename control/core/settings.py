@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     )
     pull_lead_ms: float = Field(40.0, ge=0, description="a busy replica pulls its next batch this long before it frees")
     deadline_margin_ms: float = Field(15.0, ge=0, description="slack kept for the trip back to the client")
+    collector: Literal["native", "chord"] = Field(
+        "native",
+        description="native: a replica runs its batches itself; chord: each as a Celery chord (docs/decisions/0001)",
+    )
     hand_back_pulls: bool = Field(
         True, description="a request a pull sent before the gate shut brings goes back to the front of its queue"
     )

@@ -36,6 +36,7 @@ ROLES: tuple[Role, ...] = ("gateway", "replica", "operator")
 # the embedded broker is always database 0.
 PIDBOX_CHANNEL = "/0.celery.pidbox"
 EVENTS_CHANNELS = "/0.celeryev/*"
+CHORD_RESULT_CHANNELS = "{kb}:chord:*"  # Celery's result backend publishes each result on its key
 
 # Commands no data-path role needs, beyond the @admin and @dangerous categories: pub/sub
 # is granted per role below; scripts are loaded and run (EVAL/EVALSHA, SCRIPT LOAD) but
@@ -48,7 +49,8 @@ _ACL = {
         f"resetkeys resetchannels {_DATA_KEYS} ~_kombu.binding* ~unacked* ~*.celery.pidbox* "
         f"&{PIDBOX_CHANNEL} +@all {_DATA_PATH_DENIED} +psubscribe +punsubscribe +subscribe +unsubscribe "
         # A selector: PUBLISH allowed on the events channels alone, not on the root's channel.
-        f"(+publish resetchannels &{EVENTS_CHANNELS})"
+        # and on the chord collector's result channels (tasks/replica/chord.py).
+        f"(+publish resetchannels &{EVENTS_CHANNELS} &{CHORD_RESULT_CHANNELS})"
     ),
     "operator": "allkeys allchannels +@all",
 }

@@ -31,6 +31,7 @@ from typing import Any
 from control.core.vocab import FREE, PAID, Tier
 
 BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
+LAUNCH_LEAD_MS = 10.0  # a batch closed by a deadline launches this long before its last moment
 
 
 @dataclass(slots=True)
@@ -103,7 +104,10 @@ class Collector:
             return None
         c = self.config
         oldest = min(p.arrived_ms for p in self.waiting)
-        tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms
+        # The last start that lets the tightest request finish, less the time between
+        # the launch time and the take that checks it (`can_finish`): launched at its
+        # very last moment, it would be taken a moment late and dropped as expired.
+        tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms - LAUNCH_LEAD_MS
         return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
 
     def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:

@@ -160,6 +160,10 @@ class ReplicaStep(bootsteps.StartStopStep):
                 wake=lambda: c.call_soon(_noop),
                 envelope=TaskMessages(c.app),
             )
+            if s.collector == "chord":
+                from tasks.replica import chord
+
+                chord.attach(self.replica, c.app)
             self.replica.load_engine = spec.load_engine
             self.replica.switch_queue = partial(_switch_queue, c)
             self.replica.is_polling = partial(kombu_internals.is_polling, c.task_consumer.channel)
@@ -280,15 +284,21 @@ def run_worker(
     app.task(name=p.TASK_NAME, base=BatchedTask, bind=True)(_never_called)
     app.keybatch_spec = ReplicaSpec(model, settings, engine, load_engine)
     app.steps["consumer"].add(ReplicaStep)
+    pool, concurrency, queues = "solo", 1, p.queue_name(model)
+    if settings.collector == "chord":  # docs/decisions/0001: a batch runs as a Celery chord
+        from tasks.replica import chord
+
+        chord.configure(app, settings, name)
+        pool, concurrency, queues = "threads", chord.POOL_THREADS, f"{chord.chord_queue(name)},{queues}"
     argv = [
         "--quiet",  # no banner: `keybatch up` prints each replica's own line when it serves
         "worker",
         "--pool",
-        "solo",
+        pool,
         "--concurrency",
-        "1",
+        str(concurrency),
         "--queues",
-        p.queue_name(model),
+        queues,
         "--hostname",
         name,
         "--without-gossip",

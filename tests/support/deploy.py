@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import redis
 import requests
@@ -16,6 +17,8 @@ from control.broker import keys
 from control.core.procs import free_port
 from control.core.vocab import Backend, Policy
 from control.fleet.up import Plan, System
+
+Collector = Literal["native", "chord"]
 
 PAID_KEY, FREE_KEY = "test-paid", "test-free"
 MODEL = "kb-small"
@@ -51,10 +54,14 @@ def deployment(
     policy: Policy = "static",
     model: str = MODEL,
     models: tuple[str, ...] = (),
+    collector: Collector | None = None,
     **env: str,
 ) -> Iterator[Deployment]:
     """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings;
-    `models` (default: `model` alone) get the workers round robin."""
+    `models` (default: `model` alone) get the workers round robin; `collector` is
+    KEYBATCH_COLLECTOR (chord: docs/decisions/0001; None: the environment's, or native)."""
+    if collector is not None:
+        env = {**env, "collector": collector}
     plan = Plan(
         workers=workers,
         backend=backend,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pytest
 import redis
 import requests
 
@@ -14,7 +16,22 @@ from control.broker.keys import waiting_key
 from control.core.protocol import Job
 from tasks.engine.fixed import simulated_text
 from tests.support.busy import busy_replicas, queued_behind_busy_replicas
-from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Deployment
+from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY, Collector, Deployment, deployment
+
+# A chord's hop (its members pulled, run and counted, then its body: tens of ms a batch
+# on two cores, docs/decisions/0001) comes on top of every batch; under the default 600 ms
+# a burst of 40 no longer fits two batches. The chord deployment's default deadline is
+# longer so that these tests check what they are about: answers, cancels, errors.
+CHORD_DEADLINE_MS = "2000"
+
+
+@pytest.fixture(scope="module", params=["native", "chord"])
+def kb(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    """Every test here under both collectors."""
+    collector: Collector = request.param
+    env = {"deadline_ms": CHORD_DEADLINE_MS} if collector == "chord" else {}
+    with deployment(collector=collector, **env) as d:
+        yield d
 
 
 def _dropped_count_becomes(kb: Deployment, reason: str, want: float, timeout_s: float = 2.0) -> float:

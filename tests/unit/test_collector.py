@@ -34,8 +34,10 @@ def test_a_lone_request_waits_max_wait_then_goes() -> None:
 def test_the_tightest_deadline_pulls_the_launch_earlier() -> None:
     c = make_collector(max_wait_ms=100.0, margin_ms=15.0)
     c.add(make_pending(0, at=0.0, deadline=600.0))
-    c.add(make_pending(1, at=0.0, deadline=270.0))  # must start by 270 - 250 - 15 = 5
+    c.add(make_pending(1, at=0.0, deadline=280.0))  # must start by 280 - 250 - 15 = 15, taken by 15 - 10
     assert c.wait_ms(0.0) == 5.0
+    c.pop_expired(5.0)
+    assert len(c) == 2  # taken at its launch time, it can still finish
 
 
 def test_paid_fills_the_batch_before_free() -> None:
@@ -86,7 +88,7 @@ def test_under_heavy_load_a_batch_waits_for_its_phase_behind_a_peer() -> None:
 
 def test_the_phase_yields_to_the_deadline_and_to_light_load() -> None:
     c = make_collector(margin_ms=15.0)
-    c.add(make_pending(0, at=100.0, deadline=600.0))  # must start by 700 - 250 - 15 = 435
+    c.add(make_pending(0, at=100.0, deadline=610.0))  # must start by 710 - 250 - 15 = 445, taken by 435
     c.stagger_from([300.0], last_batch=4, now_ms=302.0)  # phase says 425
     assert c.wait_ms(302.0) == 425.0 - 302.0
     c.stagger_from([400.0], last_batch=4, now_ms=402.0)  # phase says 525: the deadline (435) wins
