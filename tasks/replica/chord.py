@@ -254,7 +254,7 @@ class ChordPolicy(StaticPolicy):
             self._drop([pd for pd in state.batch if pd.id in dropped], dropped)
             if kept:
                 super().run(kept, state.started_ms)
-            else:
+            elif not self.running():  # the engine may still run the batch before
                 self.replica.busy = False
                 self.replica.rejoin_idle()
                 self.replica.wake()

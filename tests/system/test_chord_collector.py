@@ -29,6 +29,15 @@ from tasks.replica.chord import RESULT_PREFIX, ChordBatch, ChordPolicy, chord_qu
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
+from tests.support.waiting import until
+
+
+def _answer_ran(policy: ChordPolicy) -> None:
+    """What the replica's loop does once the engine's thread ran the staged batch (the
+    loop itself does not run here): answer it."""
+    assert until(lambda: bool(policy.device.done) and policy.device.running is None, 5, 0.005)
+    policy.finish()
+
 
 MAX_BATCH = 4
 MAX_WAIT_S = 3.0
@@ -135,6 +144,7 @@ def test_a_cancel_that_lands_during_the_hop_is_honoured_and_each_request_answere
     assert policy.num_unpulled() == 1  # the body
     policy.run_members("b1", reasons)
     policy.run_members("b1", reasons)  # a duplicate body
+    _answer_ran(policy)
     answers = [item for raw in state.lrange(keys.reply_key("gw"), 0, -1) for item in _items(raw)]
     assert sorted((a["id"], a["kind"]) for a in answers) == [("a0", "result"), ("a1", "dropped"), ("a2", "result")]
     assert {a["batch_size"] for a in answers if a["kind"] == "result"} == {2}
@@ -177,6 +187,7 @@ def test_a_chord_that_never_starts_runs_its_batch_without_it_once(valkey: Embedd
     started = time.monotonic()
     policy.run(batch, now)
     assert 1.0 < time.monotonic() - started < 3.0
+    _answer_ran(policy)
     assert state.llen(chord_queue("r-lost")) == 3  # the members, sent and never pulled
     assert policy.num_ran_without == 1 and not policy.batches
     answers = [item for raw in state.lrange(keys.reply_key("gw"), 0, -1) for item in _items(raw)]
