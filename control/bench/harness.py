@@ -299,7 +299,7 @@ def in_process(plan: Plan, keys: Mapping[str, Tier], settings: Mapping[str, str]
 
 @contextmanager
 def fixed_fleet(
-    workers: int, paid_key: str, free_key: str, max_batch: int | None = None
+    workers: int, paid_key: str, free_key: str, max_batch: int | None = None, policy: Policy = "static"
 ) -> Iterator[tuple[str, str, Settings]]:
     """Fixed-latency replicas of the first configured model, warmed by 2 s of load: the
     gateway's URL, the model, and the settings the deployment runs (its broker's URL in them)."""
@@ -308,7 +308,7 @@ def fixed_fleet(
 
     model = next(iter(Settings().models))
     settings = {"max_batch": str(max_batch)} if max_batch is not None else {}
-    plan = Plan(workers=workers, models=[model], port=free_port(), quiet=True)
+    plan = Plan(workers=workers, policy=policy, models=[model], port=free_port(), quiet=True)
     with in_process(plan, {paid_key: PAID, free_key: FREE}, settings) as system:
         generate(LoadSpec(system.url, 50, 2.0, model, free_key=free_key), show_progress=False)
         yield system.url, model, system.settings.model_copy(update={"redis_url": system.redis_url})

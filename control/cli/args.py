@@ -310,3 +310,11 @@ def add_cycle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--batch-ms", type=float, default=250.0)
     p.add_argument("--json", default=None, help="write all figures here")
+
+
+def add_goodput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cases", default="32x1.1,32x2.0,64x0.9", help="BATCHxLOAD, comma-separated (load: of nominal)")
+    p.add_argument("--policies", default="static,continuous")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load per run")
+    p.add_argument("--workers", type=int, default=2, help="replicas")
+    p.add_argument("--json", default=None, help="write all figures here")

@@ -69,6 +69,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         add_dash_bench_args,
         add_engine_bench_args,
         add_gateway_cpu_args,
+        add_goodput_args,
         add_ops_bench_args,
         add_peer_args,
         add_policies_args,
@@ -88,6 +89,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     add_rebalance_bench_args(
         bench_sub.add_parser("rebalance", help="demand moves between the models: do the replicas follow?")
     )
+    add_goodput_args(bench_sub.add_parser("goodput", help="answered 200 a second at and past capacity, both policies"))
     add_cycle_args(bench_sub.add_parser("cycle", help="one saturated replica: does the engine wait for its loop?"))
     add_gateway_cpu_args(
         bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
@@ -272,6 +274,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.operations import run_ops
 
         return run_ops(settings, args)
+    if args.bench == "goodput":
+        from control.bench.goodput import run_goodput
+
+        return run_goodput(args)
     if args.bench == "cycle":
         from control.bench.cycle import run_cycle
 
