@@ -197,15 +197,9 @@ class RateMeter:
     def rate(self, now_ms: float) -> float:
         self._roll(now_ms)
         elapsed = max(now_ms - self._start, 1.0)
-        # With no rate from a window before (the first, or after a quiet one), what this one
-        # counted is all there is: read over a shorter floor, so that a burst from nothing
-        # (a deployment's first load) is seen within tens of ms, not blended with the quiet.
-        floor = self.window_ms / (20 if self._last_rate == 0 else 4)
-        current = self._count * 1000.0 / max(elapsed, floor)
+        current = self._count * 1000.0 / max(elapsed, self.window_ms / 4)
         weight = min(1.0, elapsed / self.window_ms)
-        # The window so far, when it says more than the blend: an overestimate only leaves
-        # free requests more room for paid ones.
-        return max(current, weight * current + (1 - weight) * self._last_rate)
+        return weight * current + (1 - weight) * self._last_rate
 
     def _roll(self, now_ms: float) -> None:
         if now_ms - self._start >= self.window_ms:
