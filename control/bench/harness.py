@@ -91,7 +91,7 @@ class Deployment:
         cwd: str | None = None,
         models: Sequence[str] = (MODEL,),
         backend: Backend = "fixed",
-        policy: Policy = "static",
+        policy: Policy | None = None,  # None: the POLICY setting of `env`
     ) -> None:
         self.name = name
         self.backend, self.policy = backend, policy
@@ -107,7 +107,8 @@ class Deployment:
         os.close(fd)
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "control", "up", "--backend", self.backend, "--policy", self.policy]
+        cmd = [sys.executable, "-m", "control", "up", "--backend", self.backend]
+        cmd += ["--policy", self.policy] if self.policy else []
         cmd += ["--workers", str(self.replicas_wanted)]
         cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:

@@ -49,7 +49,8 @@ def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
 
 
 def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
-    return pooled_capacity([(r.max_batch, r.batch_ms) for r in fleet if r.model == model and r.is_ready])
+    """What the model's ready replicas serve: their engines' batch and their measured cycles."""
+    return pooled_capacity([(r.max_batch, r.batch_ms, r.cycle_ms) for r in fleet if r.model == model and r.is_ready])
 
 
 class FleetView:

@@ -198,7 +198,7 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
         help="a client whose connection breaks resends with the same X-Request-Id (joins the request)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="fixed", help="the replicas' engine (`up --backend`)")
-    p.add_argument("--policy", choices=POLICIES, default="static", help="`up --policy`")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="`up --policy` (default: the POLICY setting)")
     idle = p.add_argument_group("client-hangup --idle: one fault at a time on an idle deployment, no load")
     idle.add_argument("--idle", action="store_true", help="hang-ups and cancels alternately, nothing else running")
     idle.add_argument("--hangups", type=int, default=100, help="clients that hang up 100 ms after sending")

@@ -45,7 +45,7 @@ def _add_serving_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     )
     up.add_argument("--workers", type=int, default=None, help="model replicas (default 2 per model served)")
     up.add_argument("--backend", choices=BACKENDS, default="hf", help="hf: the local models; fixed: simulated")
-    up.add_argument("--policy", choices=POLICIES, default="continuous")
+    up.add_argument("--policy", choices=POLICIES, default=None, help="default: the POLICY setting")
     up.add_argument("--models", default="", help="comma-separated model names (default: all configured)")
     up.add_argument("--port", type=int, default=None)
 
@@ -54,7 +54,7 @@ def _add_serving_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     worker = sub.add_parser("worker", help="one model replica")
     worker.add_argument("--model", required=True)
     worker.add_argument("--backend", choices=BACKENDS, default="hf")
-    worker.add_argument("--policy", choices=POLICIES, default="continuous")
+    worker.add_argument("--policy", choices=POLICIES, default=None, help="default: the POLICY setting")
     worker.add_argument("--name", default=None, help="replica name (default MODEL-PID@HOST)")
     worker.add_argument("--loglevel", default="INFO")
 
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     if getattr(args, "port", None) is not None:
         settings = settings.model_copy(update={"port": args.port})
+    if getattr(args, "policy", "") is None:  # every command's --policy defaults to the one setting
+        args.policy = settings.policy
     return COMMANDS[args.command](settings, args)
 
 

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control.core.connect import check_url
-from control.core.vocab import Tier
+from control.core.vocab import Policy, Tier
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     )
     models_dir: Path = Path("models")
     max_batch: int = Field(64, ge=1)
+    policy: Policy = Field(
+        "static",
+        description="how a replica batches: static (a batch runs to its end) or continuous (requests join others)",
+    )
     batch_ms: float = Field(250.0, gt=0, description="fixed backend: time of any batch")
     fixed_poison: str | None = Field(
         None, description="fixed backend, fault injection: a prompt containing this fails in the engine"

@@ -25,6 +25,7 @@ from typing import IO, Literal
 
 from control.core.procs import child_of
 from control.core.settings import Settings
+from control.core.vocab import Policy
 from control.fleet.credentials import Role, credentials_path, write_operator_url
 from control.fleet.valkey import EmbeddedBroker
 
@@ -59,7 +60,7 @@ class PlanError(ValueError):
 class Plan:
     workers: int | None = None  # None: REPLICAS_PER_MODEL per model
     backend: str = "fixed"
-    policy: str = "static"
+    policy: Policy | None = None  # None: the POLICY setting
     models: list[str] = field(default_factory=list)
     port: int = 8000
     quiet: bool = False
@@ -187,7 +188,7 @@ class System:
         model = self.plan.replica_models()[child.index]
         return [
             *[sys.executable, "-m", "control", "worker"],
-            *["--model", model, "--backend", self.plan.backend, "--policy", self.plan.policy],
+            *["--model", model, "--backend", self.plan.backend, "--policy", self.plan.policy or self.settings.policy],
             *["--name", child.name],
         ]
 

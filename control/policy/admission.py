@@ -26,11 +26,27 @@ from control.core.vocab import FREE, PAID, Tier
 
 @dataclass(frozen=True)
 class Capacity:
-    """What serves one model right now."""
+    """What serves one model right now.
+
+    `batch_ms` is the engine's expected batch (what a replica's own rule that a request
+    must start by its deadline less one batch uses); `cycle_ms` the measured time a batch
+    slot takes on the replica, start to ready again (pop, settle, run, deliver: ~272 ms for
+    a 250 ms engine), 0.0 until measured. Slots open at the cycle's pace (`slot_ms`)."""
 
     num_replicas: int
     max_batch: int
     batch_ms: float
+    cycle_ms: float = 0.0
+
+    @property
+    def slot_ms(self) -> float:
+        """What one batch slot takes a replica: the measured cycle, else the engine's batch."""
+        return self.cycle_ms if self.cycle_ms > 0 else self.batch_ms
+
+    @property
+    def interval_ms(self) -> float:
+        """The most time between two batch slots' starts, the replicas out of phase."""
+        return self.slot_ms / max(1, self.num_replicas)
 
     @property
     def per_round(self) -> int:
@@ -39,20 +55,40 @@ class Capacity:
 
     @property
     def requests_per_s(self) -> float:
-        return self.per_round * 1000.0 / self.batch_ms
+        return self.per_round * 1000.0 / self.slot_ms
 
 
-def pooled_capacity(replicas: list[tuple[int, float]]) -> Capacity:
-    """What the ready replicas of one model, each given as (max_batch, batch_ms), serve
-    together. Their batch time is the one at which they serve what each serves at its own
-    (the harmonic mean): a replica that reports a slow batch (a cold start, a stall) counts
-    for its share of the model's rate, never for the whole, so one outlier does not make
-    admission refuse budgets the others meet. A time that is not positive says nothing."""
-    times = [ms for _batch, ms in replicas if ms > 0]
+MAX_STRETCH = 2.0  # a cycle measured beyond this many engine batches is a cold start or a stall, not a pace
+
+
+def replica_slot_ms(batch_ms: float, cycle_ms: float) -> float:
+    """One replica's slot time: its measured cycle, no shorter than its engine's batch (the
+    cycle holds the batch) and, as a median of few samples may be the first cold batch
+    alone, no longer than `MAX_STRETCH` batches: admission then still lets in a slot's
+    worth, the replica runs it, and later samples outvote the cold one."""
+    if cycle_ms <= 0:
+        return batch_ms
+    return min(max(cycle_ms, batch_ms), MAX_STRETCH * batch_ms)
+
+
+def pooled_capacity(replicas: list[tuple[int, float, float]]) -> Capacity:
+    """What the ready replicas of one model, each given as (max_batch, batch_ms, cycle_ms),
+    serve together. Their batch and slot times are the ones at which they serve what each
+    serves at its own (the harmonic mean): a replica that reports a slow batch (a cold
+    start, a stall) counts for its share of the model's rate, never for the whole, so one
+    outlier does not make admission refuse budgets the others meet. A time that is not
+    positive says nothing."""
     if not replicas:
         return Capacity(0, 1, 1.0)
-    batch_ms = len(times) / sum(1.0 / ms for ms in times) if times else 1.0
-    return Capacity(len(replicas), min(batch for batch, _ms in replicas), batch_ms)
+    timed = [(ms, cycle) for _batch, ms, cycle in replicas if ms > 0]
+    batch_ms = _harmonic([ms for ms, _cycle in timed]) or 1.0
+    is_measured = any(cycle > 0 for _ms, cycle in timed)
+    cycle_ms = _harmonic([replica_slot_ms(ms, cycle) for ms, cycle in timed]) if is_measured else 0.0
+    return Capacity(len(replicas), min(batch for batch, _ms, _cycle in replicas), batch_ms, cycle_ms)
+
+
+def _harmonic(times: list[float]) -> float:
+    return len(times) / sum(1.0 / t for t in times) if times else 0.0
 
 
 @dataclass(frozen=True)
@@ -80,28 +116,35 @@ def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
 
 
 def predict_ms(position: int, capacity: Capacity) -> float:
-    """Expected finish of the request at 1-based `position` in the queue.
+    """Latest expected finish of the request at 1-based `position` in the queue.
 
-    The request rides in batch slot k = ceil(position / max_batch), which
-    starts at `slot_start_ms`; then the batch runs.
+    The request rides in batch slot k = ceil(position / max_batch), which starts by
+    `slot_start_ms`; then its slot takes `slot_ms`.
     """
-    return slot_start_ms(math.ceil(position / capacity.max_batch), capacity) + capacity.batch_ms
+    return slot_start_ms(math.ceil(position / capacity.max_batch), capacity) + capacity.slot_ms
 
 
 def slot_start_ms(slot: int, capacity: Capacity) -> float:
-    """When batch slot `slot` (1-based) starts, from now: with the replicas out of
-    phase one starts every batch_ms / replicas, the first half an interval away."""
-    return (slot - 0.5) * capacity.batch_ms / capacity.num_replicas
+    """By when batch slot `slot` (1-based) starts, from now: with the replicas out of phase
+    one starts every `interval_ms`, the first at most an interval away. (The mean, half an
+    interval sooner, admitted requests to the last slot that then started after their
+    deadline less a batch: the replica answered them 504.)"""
+    return slot * capacity.interval_ms
 
 
 def max_slots(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
-    """Batch slots a request may wait for (including its own) within its budget."""
-    spare = budget_ms - limits.margin_ms - capacity.batch_ms
-    return max(1, math.floor(spare * capacity.num_replicas / capacity.batch_ms + 0.5))
+    """Batch slots a request may wait for (including its own) within its budget: those
+    that start by the budget less a slot and the margin (a replica starts a request no
+    later than its deadline less a batch and the margin, and the slot then takes `slot_ms`)."""
+    latest_start = budget_ms - limits.margin_ms - capacity.slot_ms
+    return max(1, math.floor(latest_start / capacity.interval_ms))
 
 
 def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
-    """What can be said before looking at the queue."""
+    """What can be said before looking at the queue. The engine's batch, not the measured
+    cycle, decides that a budget is too short: an idle replica starts a request at once and
+    meets a budget of a batch and the margin, and a first cold cycle must not refuse every
+    request (nothing would then run to measure a warm one)."""
     if capacity.num_replicas < 1:
         return Verdict.NO_REPLICA
     if budget_ms < capacity.batch_ms + limits.margin_ms:
@@ -109,19 +152,32 @@ def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
     return Verdict.ADMIT
 
 
+PAID_SPREAD = 1.0  # standard deviations of the paid arrivals a free request leaves room for
+
+
+def paid_reserve(paid_rate_rps: float, within_ms: float) -> int:
+    """Room for the paid requests expected within `within_ms`, and for their spread:
+    arrivals are Poisson, so as many again as one standard deviation (sqrt of the mean)."""
+    expected = paid_rate_rps * within_ms / 1000.0
+    return math.ceil(expected + PAID_SPREAD * math.sqrt(expected))
+
+
 def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
     """The deepest queue position (1-based) at which the request still fits.
 
     Paid requests that arrive later still go ahead of a free one until its batch
     starts, so a free request leaves room for the paid traffic expected before the
-    last slot it may ride in starts. (Room for one batch time of paid traffic only
-    lets in free requests at 2x load that paid ones then push past their deadline:
-    a 504 after 600 ms, and a gateway's work for nothing; docs/decisions/0004.)
+    last slot it may ride in starts (at the mean phase: half an interval before its
+    latest start), and for that traffic's spread. (Room for one batch time of paid
+    traffic only lets in free requests at 2x load that paid ones then push past their
+    deadline: a 504, and a gateway's work for nothing; docs/decisions/0004.) A free
+    request that finds the queue empty is still admitted: an idle replica takes it now.
     """
     slots = max_slots(budget_ms, capacity, limits)
     deepest = slots * capacity.max_batch
     if tier == FREE:
-        deepest -= math.ceil(paid_rate_rps * slot_start_ms(slots, capacity) / 1000.0)
+        before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
+        deepest = max(1, deepest - paid_reserve(paid_rate_rps, before_last))
     return min(deepest, limits.max_queue(tier))
 
 
@@ -153,9 +209,9 @@ class RateMeter:
 
 
 def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
-    """When a refused request could expect to fit: a slot drains every batch_ms / replicas."""
+    """When a refused request could expect to fit: a slot drains every `interval_ms`."""
     excess = math.ceil(position / capacity.max_batch) - max_slots(budget_ms, capacity, limits)
-    return max(1, math.ceil(excess * capacity.batch_ms / capacity.num_replicas / 1000.0))
+    return max(1, math.ceil(excess * capacity.interval_ms / 1000.0))
 
 
 @dataclass(frozen=True)
@@ -194,12 +250,15 @@ class Depths:
 def tenant_limits(deepest: int, capacity: Capacity, policy: TenantPolicy) -> TenantLimits:
     """A key's share of the queue for a request whose deepest admissible position is `deepest`.
 
-    A request behind other keys' ones is admitted to the same depth: the lists in line
-    overtake it only while other keys have requests there, which their rate bounds."""
+    A key may always hold its fair depth (a batch): with a short queue (a 600 ms budget
+    admits two slots, less the paid reserve for a free request) a share of it alone left
+    a lone key's batches part empty while its requests were refused. A request behind
+    other keys' ones is admitted to the same depth: the lists in line overtake it only
+    while other keys have requests there, which their rate bounds."""
     fair = max(1, math.ceil(policy.fair_batches * capacity.max_batch))
     return TenantLimits(
         fair_depth=fair,
-        max_queued=max(1, math.floor(policy.share * deepest)),
+        max_queued=max(math.floor(policy.share * deepest), fair),
         deepest_behind=deepest,
     )
 

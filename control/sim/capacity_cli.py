@@ -25,7 +25,9 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", type=int, default=3, help="survive losing one of them")
     parser.add_argument("--paid-fraction", type=float, default=0.2)
     parser.add_argument("--models", default="kb-small=0.8,kb-large=0.2")
-    parser.add_argument("--policy", choices=POLICIES, default="static", help="continuous: needs --cost-model")
+    parser.add_argument(
+        "--policy", choices=POLICIES, default=None, help="default: the POLICY setting; continuous: needs --cost-model"
+    )
     parser.add_argument(
         "--scope",
         choices=["region", "fleet"],

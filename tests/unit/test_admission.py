@@ -17,15 +17,27 @@ CAP = Capacity(num_replicas=2, max_batch=64, batch_ms=250.0)
 LIMITS = Limits(max_queue_paid=4096, max_queue_free=2048, margin_ms=15.0)
 
 
-def test_three_batch_slots_fit_the_default_budget_on_two_replicas() -> None:
-    # slot k starts (k - 0.5) * 250 / 2 ms from now, then runs 250 ms
-    assert max_position("free", 600.0, CAP, LIMITS) == 192
-    assert predict_ms(192, CAP) <= 600.0 - 15.0
-    assert predict_ms(193, CAP) > 600.0 - 15.0
+def test_two_batch_slots_fit_the_default_budget_on_two_replicas() -> None:
+    # A slot starts every 125 ms, the next at most 125 ms away: slot k starts by k x 125 ms
+    # and must start by 600 - 15 - 250 = 335 ms, so two slots (the third may start at 375).
+    assert max_position("paid", 600.0, CAP, LIMITS) == 128
+    assert predict_ms(128, CAP) <= 600.0 - 15.0
+    assert predict_ms(129, CAP) > 600.0 - 15.0
+
+
+def test_the_measured_cycle_paces_the_slots() -> None:
+    # 272 ms a slot on two replicas: one every 136 ms, the last by 600 - 15 - 272 = 313 ms.
+    measured = Capacity(2, 64, 250.0, cycle_ms=272.0)
+    assert measured.slot_ms == 272.0 and measured.interval_ms == 136.0
+    assert max_position("paid", 600.0, measured, LIMITS) == 128
+    assert max_position("paid", 680.0, CAP, LIMITS) == 192  # by 415 ms: three slots of 125
+    assert max_position("paid", 680.0, measured, LIMITS) == 128  # by 393 ms: three of 136 do not fit
+    assert measured.requests_per_s == 128_000 / 272.0
+    assert predict_ms(1, measured) == 136.0 + 272.0
 
 
 def test_a_longer_budget_allows_more_rounds() -> None:
-    assert max_position("paid", 1400.0, CAP, LIMITS) == 9 * 64  # floor(1135 * 2 / 250 + 0.5) slots
+    assert max_position("paid", 1400.0, CAP, LIMITS) == 9 * 64  # floor(1135 / 125) slots
 
 
 def test_queue_limits_cap_the_position() -> None:
@@ -39,19 +51,28 @@ def test_a_budget_below_one_batch_can_never_fit() -> None:
     assert check(600.0, CAP, LIMITS) == Verdict.ADMIT
 
 
+def test_a_budget_of_one_batch_is_admitted_to_one_slot_whatever_the_cycle() -> None:
+    slow = Capacity(2, 64, 250.0, cycle_ms=500.0)
+    assert check(300.0, slow, LIMITS) == Verdict.ADMIT  # the engine's batch decides, not the cycle
+    assert max_position("paid", 300.0, slow, LIMITS) == 64
+
+
 def test_no_replica() -> None:
     assert check(600.0, Capacity(0, 64, 250.0), LIMITS) == Verdict.NO_REPLICA
 
 
 def test_retry_after_grows_with_the_excess() -> None:
-    assert retry_after_s(193, 600.0, CAP, LIMITS) == 1
-    assert retry_after_s(64 * 30, 600.0, CAP, LIMITS) == 4  # 27 slots of 125 ms
+    assert retry_after_s(129, 600.0, CAP, LIMITS) == 1
+    assert retry_after_s(64 * 30, 600.0, CAP, LIMITS) == 4  # 28 slots of 125 ms
 
 
 def test_free_leaves_room_for_the_paid_traffic_expected_before_its_last_slot_starts() -> None:
-    # 3 slots on 2 replicas: the third starts 2.5 x 125 ms from now; 100 paid/s bring 32 by then.
-    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192 - 32
-    assert max_position("paid", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 192
+    # 2 slots: the second starts 1.5 x 125 ms from now at the mean phase; 100 paid/s bring
+    # 18.75 by then, and one standard deviation more (4.3): room for 24.
+    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 128 - 24
+    assert max_position("paid", 600.0, CAP, LIMITS, paid_rate_rps=100.0) == 128
+    # Paid traffic that fills every slot still leaves a free request the empty queue.
+    assert max_position("free", 600.0, CAP, LIMITS, paid_rate_rps=1000.0) == 1
 
 
 def test_rate_meter_follows_a_steady_rate() -> None:
@@ -92,7 +113,7 @@ def test_a_token_bucket_refills_at_its_rate_up_to_its_size() -> None:
 
 
 def test_one_slow_replica_does_not_make_admission_refuse_what_the_others_serve() -> None:
-    capacity = pooled_capacity([(64, 300.0), (64, 3_738.0)])
+    capacity = pooled_capacity([(64, 300.0, 0.0), (64, 3_738.0, 0.0)])
     assert check(600.0, capacity, LIMITS) == Verdict.ADMIT
     assert max_position("paid", 600.0, capacity, LIMITS) >= 64
     # The pooled time serves what the two serve together, each at its own rate.
@@ -100,6 +121,27 @@ def test_one_slow_replica_does_not_make_admission_refuse_what_the_others_serve()
 
 
 def test_replicas_that_agree_pool_to_their_own_figures() -> None:
-    assert pooled_capacity([(64, 250.0)] * 3) == Capacity(3, 64, 250.0)
+    assert pooled_capacity([(64, 250.0, 0.0)] * 3) == Capacity(3, 64, 250.0)
+    assert pooled_capacity([(64, 250.0, 272.0)] * 3) == Capacity(3, 64, 250.0, 272.0)
     assert pooled_capacity([]) == Capacity(0, 1, 1.0)
-    assert pooled_capacity([(64, 0.0), (32, 250.0)]) == Capacity(2, 32, 250.0)  # no time yet: no say
+    assert pooled_capacity([(64, 0.0, 0.0), (32, 250.0, 0.0)]) == Capacity(2, 32, 250.0)  # no time yet: no say
+
+
+def test_a_first_cold_cycle_slows_admission_by_at_most_twice_and_still_admits_a_slot() -> None:
+    # A fresh replica's cycle is the median of one sample: its first, cold batch.
+    cold = pooled_capacity([(64, 250.0, 3_738.0), (64, 250.0, 3_738.0)])
+    assert cold.slot_ms == 500.0  # two engine batches at most
+    assert check(600.0, cold, LIMITS) == Verdict.ADMIT
+    assert max_position("paid", 600.0, cold, LIMITS) == 64  # a slot's worth runs, and is measured
+    # One replica cold, one warm: the warm one's pace counts for its share.
+    mixed = pooled_capacity([(64, 250.0, 3_738.0), (64, 250.0, 260.0)])
+    assert mixed.slot_ms == 2 / (1 / 500.0 + 1 / 260.0)
+    # A cycle below the engine's batch is a sample of too little work: the batch holds.
+    assert pooled_capacity([(64, 250.0, 100.0)]).slot_ms == 250.0
+
+
+def test_a_lone_key_may_hold_a_batch_of_a_short_queue() -> None:
+    from control.policy.admission import TenantPolicy, tenant_limits
+
+    assert tenant_limits(20, CAP, TenantPolicy(share=0.5)).max_queued == 64
+    assert tenant_limits(400, CAP, TenantPolicy(share=0.5)).max_queued == 200
