@@ -220,7 +220,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     quality.add_argument("--json", default=None, help="write the figures here")
 
 
-def add_gateway_cpu_args(p: argparse.ArgumentParser) -> None:
+def add_path_cpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkout", required=True, help="the other checkout (a git worktree) to compare with")
     p.add_argument("--rate", type=float, default=300.0, help="offered requests per second")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of measured load per run")
