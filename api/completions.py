@@ -188,7 +188,7 @@ def create_completion() -> Response:
         forwarded = peers.forward(gw, job, err)  # another region, when this one cannot serve it
         if forwarded is not None:
             return forwarded
-        gw.metrics.requests.labels(job.model, tier, str(err.status)).inc()
+        gw.metrics.of(gw.metrics.requests, job.model, tier, str(err.status)).inc()
         raise
     if req.stream:
         return _stream(gw, waiter)
@@ -227,15 +227,16 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
         status, err = _error_for(item)
         raise err
     finally:
-        gw.metrics.requests.labels(job.model, job.tier, str(status)).inc()
+        metrics = gw.metrics
+        metrics.of(metrics.requests, job.model, job.tier, str(status)).inc()
         if isinstance(item, p.Result):
-            gw.metrics.latency.labels(job.model, job.tier).observe((now - job.received_ms) / 1000)
-            gw.metrics.queue_time.labels(job.model, job.tier).observe(
+            metrics.of(metrics.latency, job.model, job.tier).observe((now - job.received_ms) / 1000)
+            metrics.of(metrics.queue_time, job.model, job.tier).observe(
                 max(0.0, item.batch_start_ms - job.received_ms) / 1000
             )
             batch = item.batch_end_ms - item.batch_start_ms
-            gw.metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
-            gw.metrics.batch_size.observe(item.batch_size)
+            metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
+            metrics.batch_size.observe(item.batch_size)
 
 
 def _error_for(item: object) -> tuple[int, ApiError]:
@@ -329,7 +330,7 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
 
 def _first_token(gw: Gateway, waiter: Waiter) -> bool:
     ttft_s = (gw.clock.now_ms() - waiter.job.received_ms) / 1000
-    gw.metrics.ttft.labels(waiter.job.model, waiter.job.tier).observe(ttft_s)
+    gw.metrics.of(gw.metrics.ttft, waiter.job.model, waiter.job.tier).observe(ttft_s)
     return True
 
 

@@ -194,6 +194,31 @@ class LimitedHandler(PyWSGIHandler):
         environ["CONTENT_LENGTH"] = str(len(body))
         environ.pop("HTTP_TRANSFER_ENCODING", None)  # the app sees a plain body
 
+    def _write_with_headers(self, data: bytes) -> None:
+        """The status line, the headers and the first part of the body in one send.
+
+        pywsgi sends the header block and the body in two (two syscalls, and on a
+        socket without Nagle's algorithm two segments the client wakes for). The bytes
+        are the same: its header block, then its own framing of `data` (`_write`)."""
+        self.headers_sent = True
+        self.finalize_headers()
+        towrite = bytearray(b"HTTP/1.1 ")
+        towrite += self.status
+        towrite += b"\r\n"
+        for header, value in self.response_headers:
+            towrite += header
+            towrite += b": "
+            towrite += value
+            towrite += b"\r\n"
+        towrite += b"\r\n"
+        if data and self.response_use_chunked:
+            towrite += b"%x\r\n" % len(data)
+            towrite += data
+            towrite += b"\r\n"
+        elif data:
+            towrite += data
+        self._sendall(towrite)
+
     def _sendall(self, data: bytes) -> None:
         # A client that does not read (pipelining requests it never reads the
         # answers of) would hold the connection and what is queued for it.

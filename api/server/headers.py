@@ -34,9 +34,7 @@ def read_headers(fp: Any, max_bytes: int = MAX_HEADER_LINE, max_fields: int = MA
     with more than `max_fields` fields, sets TOO_LONG or TOO_MANY (431). No more
     than `max_bytes` of the block is ever read. docs/decisions/0006.
     """
-    from gevent.pywsgi import OldMessage  # here, not at import: gevent patches before it is used
-
-    message = OldMessage()
+    message = _message_class()()
     fields = message._headers  # email.message.Message keeps (name, value) pairs here
     left = max_bytes
     for _ in range(max_fields + 1):
@@ -66,6 +64,36 @@ def read_headers(fp: Any, max_bytes: int = MAX_HEADER_LINE, max_fields: int = MA
 
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.1: a field name
+
+_MESSAGE_CLASS: list[type] = []
+
+
+def _message_class() -> type:
+    """pywsgi's message class, with a `get` that looks a field up in an index.
+
+    pywsgi and the handler ask for a field about ten times a request; email's `get`
+    lowercases every field name on each call. The index (the first value of each name,
+    as email's `get` answers: compat32 returns a str value as it is, and one decoded
+    from ISO-8859-1 holds no surrogate) is built again whenever the fields changed.
+    Made at the first request, not at import: gevent patches before pywsgi is used."""
+    if _MESSAGE_CLASS:
+        return _MESSAGE_CLASS[0]
+    from gevent.pywsgi import OldMessage
+
+    class Fields(OldMessage):  # type: ignore[misc]  # gevent's classes are untyped
+        _seen: list[tuple[str, str]] | None = None  # the fields as they were when indexed
+        _first: dict[str, str]
+
+        def get(self, name: str, failobj: Any = None) -> Any:
+            if self._seen != self._headers:  # first call, or changed since (pywsgi deletes some)
+                self._first = {}
+                for field_name, value in self._headers:
+                    self._first.setdefault(field_name.lower(), value)
+                self._seen = list(self._headers)
+            return self._first.get(name.lower(), failobj)
+
+    _MESSAGE_CLASS.append(Fields)
+    return Fields
 
 
 class FramingError(ValueError):

@@ -214,6 +214,15 @@ def remove_orphan_metric_dirs(parent: str) -> list[str]:
     return removed
 
 
+def native_metric_locks() -> None:
+    """Import prometheus-client here, in gunicorn's arbiter, before a worker patches
+    threading: its locks are then the interpreter's own, not gevent's (which are
+    Python code, taken about a dozen times a request: each counter and histogram write
+    holds one). No greenlet switches while holding one: what they guard is a write to
+    memory (a value, or the process's mmapped metric file), never I/O that yields."""
+    import prometheus_client  # noqa: F401  # imported for its side effect: the locks it makes
+
+
 def serve(settings: Settings) -> None:
     """Run the gateway in the foreground; with several processes, /metrics sums them
     through prometheus-client's multiprocess mode (a private directory of value files)."""
@@ -223,6 +232,7 @@ def serve(settings: Settings) -> None:
         remove_orphan_metric_dirs(tempfile.gettempdir())
         own_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         os.environ[MULTIPROC_ENV] = own_dir
+    native_metric_locks()
     raise_fd_limit(settings)
     try:
         GatewayServer(settings).run()
