@@ -129,6 +129,67 @@ def test_redis_py_checks_pooled_connections_through_the_poll_we_swap(broker_url:
 # -- kombu's Redis channel: the pull gate ------------------------------------------
 
 
+POOL_PROBE = """
+import redis  # before the patching, as in the gateway: gunicorn's arbiter imported it before the fork
+from gevent import monkey
+monkey.patch_all()
+import json, sys, time
+import gevent
+from api.server.redis_internals import cooperative_pool_queue, unpatched_pool_checks
+
+unpatched_pool_checks()  # as the gateway's worker does: the check before a lend does not yield either
+pool = redis.BlockingConnectionPool.from_url(sys.argv[1], max_connections=2, timeout=0.2)
+if sys.argv[2] == "gevent":
+    cooperative_pool_queue(pool)
+pool.release(pool.get_connection())  # the connect itself goes through the loop
+client = redis.Redis(connection_pool=pool)
+import greenlet
+switches = []
+greenlet.settrace(lambda event, args: switches.append(event))
+for _ in range(50):
+    pool.release(pool.get_connection())
+greenlet.settrace(None)
+lend_and_return = len(switches)
+held = [pool.get_connection(), pool.get_connection()]
+started = time.monotonic()
+try:
+    pool.get_connection()
+    full = "lent a third"
+except redis.ConnectionError as exc:
+    full = str(exc)
+waited_s = time.monotonic() - started
+later = gevent.spawn(pool.get_connection)  # waits for one to come back
+gevent.sleep(0.01)
+pool.release(held.pop())
+handed_on = later.get(timeout=1)
+pool.release(handed_on)
+pool.release(held.pop())
+print(json.dumps({
+    "queue": type(pool.pool).__module__,
+    "switches": lend_and_return,
+    "full": full,
+    "waited_s": waited_s,
+    "handed_on": handed_on is not None,
+    "ping": client.ping(),
+}))
+"""
+
+
+@pytest.mark.parametrize("queue", ["gevent", "standard"])
+def test_the_bounded_pool_lends_through_gevents_queue_without_a_switch_to_the_hub(broker_url: str, queue: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", POOL_PROBE, broker_url, queue], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    if queue == "gevent":
+        assert seen["queue"].startswith("gevent")
+        assert seen["switches"] == 0
+    else:  # what the swap is for: the standard library's queue switches to gevent's hub and back on each
+        assert seen["queue"] == "queue" and seen["switches"] >= 100  # get and put
+    assert seen["full"] == "No connection available." and 0.15 < seen["waited_s"] < 1.0  # the bound holds
+    assert seen["handed_on"] and seen["ping"]
+
+
 def test_the_pull_gate_holds_messages_in_the_queue_until_it_opens(broker_url: str) -> None:
     queue = Queue("gate-contract", Exchange("gate-contract", type="direct"), routing_key="gate-contract")
     received: list[str] = []
