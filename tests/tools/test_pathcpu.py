@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.bench.path_cpu import THIS_CHECKOUT, per_request_ms, ratios, side_medians
+from control.bench.path_cpu import THIS_CHECKOUT, changed_calls, per_request_ms, ratios, side_medians
 from control.cli.main import _parser
 
 
@@ -40,3 +40,11 @@ def test_medians_per_kind_and_ratios() -> None:
 def test_both_names_parse(name: str) -> None:
     args = _parser().parse_args(["bench", name, "--checkout", "elsewhere", "--rounds", "1"])
     assert (args.checkout, args.rounds, args.rate) == ("elsewhere", 1, 300.0)
+
+
+def test_the_calls_that_changed_most_come_first() -> None:
+    other = {"email/message.py:get": 9.0, "gevent/hub.py:sleep": 2.0, "api/app.py:create_app": 0.0}
+    this = {"server/headers.py:get": 9.0, "gevent/hub.py:sleep": 0.0, "api/app.py:create_app": 0.0}
+    changed = changed_calls(this, other, top=3)
+    assert {name for name, _other, _this in changed[:2]} == {"email/message.py:get", "server/headers.py:get"}
+    assert changed[2] == ("gevent/hub.py:sleep", 2.0, 0.0)
