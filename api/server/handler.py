@@ -220,6 +220,21 @@ class LimitedHandler(PyWSGIHandler):
         self._sendall(towrite)
 
     def _sendall(self, data: bytes) -> None:
+        # Most answers fit in the socket's send buffer: one try on the socket itself
+        # (gevent keeps it non-blocking) sends them with no timer and none of gevent's
+        # wait-and-retry layers. What is left waits under the send deadline.
+        raw = getattr(self.socket, "_sock", None)
+        if raw is not None and data:
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent = 0  # pywsgi's own send below meets the error and records it
+            self.response_length += sent
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
         # A client that does not read (pipelining requests it never reads the
         # answers of) would hold the connection and what is queued for it.
         timer = gevent.Timeout(self.send_timeout_s, SendTimedOut)

@@ -122,7 +122,8 @@ def check_framing(message: Any, version: str | None) -> None:
         values = {part.strip(" \t") for v in lengths for part in v.split(",")}
         if len(values) != 1 or not _DIGITS.fullmatch(next(iter(values))):
             raise FramingError(400, "Content-Length is one decimal number")
-        _replace(fields, "content-length", values.pop())
+        if lengths != [next(iter(values))]:  # most requests carry one, already as it should be
+            _replace(fields, "content-length", values.pop())
     if codings:
         if version != "HTTP/1.1":
             raise FramingError(400, "Transfer-Encoding needs HTTP/1.1")

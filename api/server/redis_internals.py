@@ -53,3 +53,28 @@ def cooperative_pool_queue(pool: object) -> None:
 
     pool.queue_class = LifoQueue
     pool.reset()  # a new queue of the class, filled with placeholders as the pool made it
+
+
+POOL_TELEMETRY = ("get_pool_name", "record_connection_count", "record_connection_wait_time")
+
+
+def quiet_pool_telemetry() -> None:
+    """No OpenTelemetry bookkeeping on a pool's lend and return when none is configured.
+
+    redis-py 8 names the pool (an f-string) and calls its recorder four times for each
+    lend and return, each call asking for a collector that is not there: about 17 calls
+    a request for nothing (docs/decisions/0024). With no provider set up (keybatch sets
+    none), the pool's module gets functions that do nothing in their place; with one,
+    nothing changes.
+    """
+    from redis import connection
+    from redis.observability.providers import get_observability_instance
+
+    if get_observability_instance().get_provider_manager() is not None:
+        return
+    for name in POOL_TELEMETRY:
+        setattr(connection, name, _nothing)
+
+
+def _nothing(*_args: object, **_kwargs: object) -> str:
+    return ""

@@ -13,7 +13,7 @@ from gunicorn.app.base import BaseApplication
 
 from api.server.conntable import Conn, ConnectionTable
 from api.server.limits import KEEPALIVE_S, RequestLimits
-from api.server.redis_internals import cooperative_pool_queue, unpatched_pool_checks
+from api.server.redis_internals import cooperative_pool_queue, quiet_pool_telemetry, unpatched_pool_checks
 from api.server.refusals import ALL_TAKEN
 from control.core.memory import freeze_startup_objects
 from control.core.procs import pid_alive
@@ -188,6 +188,7 @@ def _init_worker(worker: Any) -> None:
     cooperative_pool_queue(gateway.redis.connection_pool)  # before anything borrows from it
     gateway.start()  # the registry is read before the first request, not by it
     unpatched_pool_checks()
+    quiet_pool_telemetry()
     freeze_startup_objects()
 
 

@@ -190,6 +190,45 @@ def test_the_bounded_pool_lends_through_gevents_queue_without_a_switch_to_the_hu
     assert seen["handed_on"] and seen["ping"]
 
 
+TELEMETRY_PROBE = """
+import json, sys
+import redis
+from redis.observability import recorder
+from api.server.redis_internals import POOL_TELEMETRY, quiet_pool_telemetry
+
+present = all(name in vars(redis.connection) for name in POOL_TELEMETRY)
+asked = []
+original = recorder._get_or_create_collector
+recorder._get_or_create_collector = lambda: asked.append(1) or original()
+if sys.argv[2] == "quiet":
+    quiet_pool_telemetry()
+pool = redis.ConnectionPool.from_url(sys.argv[1])
+pool.release(pool.get_connection())
+asked.clear()
+for _ in range(50):
+    pool.release(pool.get_connection())
+print(json.dumps({"present": present, "asked": len(asked), "ping": redis.Redis(connection_pool=pool).ping()}))
+"""
+
+
+@pytest.mark.parametrize("telemetry", ["quiet", "standard"])
+def test_the_pool_skips_telemetry_nobody_collects(broker_url: str, telemetry: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", TELEMETRY_PROBE, broker_url, telemetry],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["present"], "redis.connection no longer calls the telemetry functions we replace"
+    assert seen["ping"]
+    if telemetry == "quiet":
+        assert seen["asked"] == 0
+    else:  # what it is for: redis-py asks for a collector on each lend and return
+        assert seen["asked"] >= 200
+
+
 def test_the_pull_gate_holds_messages_in_the_queue_until_it_opens(broker_url: str) -> None:
     queue = Queue("gate-contract", Exchange("gate-contract", type="direct"), routing_key="gate-contract")
     received: list[str] = []
