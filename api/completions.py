@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from api import peers
 from api.disconnect import hangup_event
+from api.environ import BODY
 from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
 from api.schemas import CompletionRequest
@@ -88,13 +89,18 @@ def _no_constant(name: str) -> object:
     raise ApiError(400, f"{name} is not a JSON number", "invalid_json")
 
 
+# One decoder for every request (json.loads with a hook builds one, and its scanner, per call).
+_STRICT_JSON = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_no_constant)
+
+
 def _json_body() -> object:
     """The body as strict JSON (UTF-8, no repeated names, no NaN or Infinity, no lone
-    surrogate), whatever the Content-Type says. The bytes stay cached for a forward to a
-    peer region."""
+    surrogate), whatever the Content-Type says. The bytes stay for a forward to a peer
+    region (the server's copy leaves `wsgi.input` unread; werkzeug's read is cached)."""
     try:
-        text = request.get_data(cache=True).decode("utf-8")
-        body = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+        raw = request.environ.get(BODY)  # read whole by the server; else through werkzeug (cached)
+        text = (raw if raw is not None else request.get_data(cache=True)).decode("utf-8")
+        body = _STRICT_JSON.decode(text)
         if "\\u" in text:  # an escape may be a lone surrogate, which orjson refuses to write
             orjson.dumps(body)
         return body

@@ -25,6 +25,7 @@ import gevent
 from gevent.pywsgi import _InvalidClientInput
 from gunicorn.workers.ggevent import PyWSGIHandler
 
+from api.environ import BODY
 from api.server.conntable import Conn, ConnectionTable
 from api.server.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, read_headers
 from api.server.limits import KEEPALIVE_S, RequestLimits
@@ -191,6 +192,7 @@ class LimitedHandler(PyWSGIHandler):
         if len(body) > most:
             raise BodyTooLarge
         environ["wsgi.input"] = io.BytesIO(body)
+        environ[BODY] = body  # the app takes it as it is, not through werkzeug's stream
         environ["CONTENT_LENGTH"] = str(len(body))
         environ.pop("HTTP_TRANSFER_ENCODING", None)  # the app sees a plain body
 
@@ -219,7 +221,7 @@ class LimitedHandler(PyWSGIHandler):
             towrite += data
         self._sendall(towrite)
 
-    def _sendall(self, data: bytes) -> None:
+    def _sendall(self, data: bytes | bytearray | memoryview) -> None:
         # Most answers fit in the socket's send buffer: one try on the socket itself
         # (gevent keeps it non-blocking) sends them with no timer and none of gevent's
         # wait-and-retry layers. What is left waits under the send deadline.

@@ -80,7 +80,7 @@ def _message_class() -> type:
         return _MESSAGE_CLASS[0]
     from gevent.pywsgi import OldMessage
 
-    class Fields(OldMessage):  # type: ignore[misc]  # gevent's classes are untyped
+    class Fields(OldMessage):
         _seen: list[tuple[str, str]] | None = None  # the fields as they were when indexed
         _first: dict[str, str]
 
