@@ -85,6 +85,63 @@ def test_a_malformed_header_block_sets_the_status_pywsgi_answers_400(block: byte
     assert read_headers(io.BytesIO(block)).status == status
 
 
+# -- pywsgi's answer, written by our handler --------------------------------------
+
+ANSWER_PROBE = """
+from gevent import monkey
+monkey.patch_all()
+import json, re, socket, sys
+from gevent.pywsgi import WSGIServer
+from gunicorn.workers.ggevent import PyWSGIHandler
+from api.server.handler import handler_class
+from api.server.limits import RequestLimits
+
+def app(environ, start_response):
+    if environ["PATH_INFO"] == "/chunked":  # no Content-Length: pywsgi frames it in chunks
+        start_response("200 OK", [("Content-Type", "text/event-stream")])
+        return iter([b"data: one\\n\\n", b"data: two\\n\\n"])
+    body = b'{"id": "cmpl-1", "object": "text_completion"}'
+    start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+ours = handler_class(RequestLimits(header_timeout_s=5.0, body_timeout_s=5.0, max_body_bytes=1000))
+seen = {}
+for name, base in (("ours", ours), ("pywsgi", PyWSGIHandler)):
+    sends = []
+    class Counting(base):
+        def _sendall(self, data):
+            sends.append(bytes(data))
+            return super()._sendall(data)
+    server = WSGIServer(("127.0.0.1", 0), app, handler_class=Counting, log=None)
+    server.start()
+    for path in ("/json", "/chunked"):
+        sends.clear()
+        with socket.create_connection(server.address) as client:
+            request = b"GET %s HTTP/1.1\\r\\nHost: a\\r\\nConnection: close\\r\\n\\r\\n" % path.encode()
+            client.sendall(request)
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+        seen[name + path] = {
+            "answer": re.sub(rb"Date: [^\\r]*", b"Date: -", answer).decode(),
+            "first_send_has_body": path == "/json" and sends[0].endswith(b"}"),
+            "sends": len(sends),
+        }
+    server.stop()
+print(json.dumps(seen))
+"""
+
+
+def test_the_answer_goes_in_one_send_with_the_bytes_pywsgi_sends() -> None:
+    out = subprocess.run([sys.executable, "-c", ANSWER_PROBE], capture_output=True, text=True, timeout=60, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    for path in ("/json", "/chunked"):
+        assert seen["ours" + path]["answer"] == seen["pywsgi" + path]["answer"]
+    assert seen["ours/json"]["sends"] == 1 and seen["ours/json"]["first_send_has_body"]
+    assert seen["pywsgi/json"]["sends"] == 2  # what the override is for: header block and body apart
+    assert seen["ours/chunked"]["sends"] == seen["pywsgi/chunked"]["sends"] - 1  # the first chunk goes with the headers
+
+
 # -- redis-py's pooled-connection check under gevent -------------------------------
 
 POLL_PROBE = """
