@@ -8,6 +8,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
@@ -32,8 +33,14 @@ def gateway() -> Gateway:
     return current_app.extensions["keybatch"]
 
 
-def _header_id(name: str) -> str | None:
-    value = request.headers.get(name)
+def _field(environ: dict[str, Any], name: str) -> str | None:
+    """A request header, as `request.headers.get(name)` reads it (werkzeug's headers are the
+    environ's HTTP_ keys), without a proxy lookup and werkzeug's header layer each time."""
+    return environ.get("HTTP_" + name.upper().replace("-", "_"))
+
+
+def _header_id(environ: dict[str, Any], name: str) -> str | None:
+    value = _field(environ, name)
     if value is None:
         return None
     if not _ID.match(value):
@@ -44,10 +51,10 @@ def _header_id(name: str) -> str | None:
 ANONYMOUS = "anonymous"
 
 
-def caller(settings: Settings) -> tuple[Tier, str]:
+def caller(settings: Settings, environ: dict[str, Any] | None = None) -> tuple[Tier, str]:
     """The key decides the tier (no header can raise it) and the tenant its request ids,
     sessions and cancels are scoped to."""
-    auth = request.headers.get("Authorization")
+    auth = _field(request.environ if environ is None else environ, "Authorization")
     if auth is None:
         if settings.allow_anonymous:
             return FREE, ANONYMOUS
@@ -60,8 +67,8 @@ def caller(settings: Settings) -> tuple[Tier, str]:
     return tier, hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _budget_ms(settings: Settings) -> float:
-    raw = request.headers.get("X-Deadline-Ms")
+def _budget_ms(settings: Settings, environ: dict[str, Any]) -> float:
+    raw = _field(environ, "X-Deadline-Ms")
     if raw is None:
         return settings.deadline_ms
     try:
@@ -93,12 +100,12 @@ def _no_constant(name: str) -> object:
 _STRICT_JSON = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_no_constant)
 
 
-def _json_body() -> object:
+def _json_body(environ: dict[str, Any]) -> object:
     """The body as strict JSON (UTF-8, no repeated names, no NaN or Infinity, no lone
     surrogate), whatever the Content-Type says. The bytes stay for a forward to a peer
     region (the server's copy leaves `wsgi.input` unread; werkzeug's read is cached)."""
     try:
-        raw = request.environ.get(BODY)  # read whole by the server; else through werkzeug (cached)
+        raw = environ.get(BODY)  # read whole by the server; else through werkzeug (cached)
         text = (raw if raw is not None else request.get_data(cache=True)).decode("utf-8")
         body = _STRICT_JSON.decode(text)
         if "\\u" in text:  # an escape may be a lone surrogate, which orjson refuses to write
@@ -113,8 +120,8 @@ def _json_body() -> object:
         ) from None
 
 
-def _parse_body(settings: Settings) -> CompletionRequest:
-    body = _json_body()
+def _parse_body(settings: Settings, environ: dict[str, Any]) -> CompletionRequest:
+    body = _json_body(environ)
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     try:
@@ -167,10 +174,13 @@ def create_completion() -> Response:
     gw = gateway()
     settings = gw.settings
     received = gw.clock.now_ms()
-    tier, tenant = caller(settings)
-    request_id, key, session_key, keep = _scoped(tenant, _header_id("X-Request-Id"), _header_id("X-Session-Id"))
-    budget = _budget_ms(settings)
-    req = _parse_body(settings)
+    environ = request.environ  # once: each `request` is a proxy lookup
+    tier, tenant = caller(settings, environ)
+    request_id, key, session_key, keep = _scoped(
+        tenant, _header_id(environ, "X-Request-Id"), _header_id(environ, "X-Session-Id")
+    )
+    budget = _budget_ms(settings, environ)
+    req = _parse_body(settings, environ)
     job = p.Job.model_construct(  # every field checked already, by CompletionRequest or here
         id=secrets.token_hex(16),
         key=key,
@@ -198,7 +208,7 @@ def create_completion() -> Response:
         raise
     if req.stream:
         return _stream(gw, waiter)
-    _wait(gw, waiter)
+    _wait(gw, waiter, environ)
     try:
         body = _answer(gw, waiter)
     except ApiError as err:  # the region lost its broker or replicas while the request waited
@@ -212,9 +222,9 @@ def create_completion() -> Response:
     return resp
 
 
-def _wait(gw: Gateway, waiter: Waiter) -> None:
+def _wait(gw: Gateway, waiter: Waiter, environ: dict[str, Any]) -> None:
     """Wait for the answer; a client that hangs up meanwhile cancels its request."""
-    watch = hangup_event(request.environ)
+    watch = hangup_event(environ)
     try:
         gw.wait(waiter, watch.event if watch is not None else None)
     finally:
