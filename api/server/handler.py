@@ -27,7 +27,7 @@ from gunicorn.workers.ggevent import PyWSGIHandler
 
 from api.environ import BODY
 from api.server.conntable import Conn, ConnectionTable
-from api.server.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, read_headers
+from api.server.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, environ_fields, read_headers
 from api.server.limits import KEEPALIVE_S, RequestLimits
 from api.server.refusals import (
     ALL_TAKEN,
@@ -165,6 +165,9 @@ class LimitedHandler(PyWSGIHandler):
         if not message.status:
             check_framing(message, self.request_version)
         return message
+
+    def _headers(self) -> Any:  # pywsgi's: the environ's HTTP_ keys
+        return environ_fields(self.headers)
 
     def get_environ(self) -> Any:
         self._end_deadline()  # the header block is in

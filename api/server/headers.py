@@ -12,6 +12,7 @@ parser with `http.client.parse_headers` on the same blocks.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 MAX_HEADER_LINE = 65_536  # the limits of http.client, which pywsgi parses with
@@ -94,6 +95,20 @@ def _message_class() -> type:
 
     _MESSAGE_CLASS.append(Fields)
     return Fields
+
+
+def environ_fields(message: Any) -> Iterator[tuple[str, str]]:
+    """The header fields as pywsgi puts them in the environ (`HTTP_` and the name in upper
+    case with `_` for `-`; a name holding `_` dropped, as pywsgi drops it; Content-Type and
+    Content-Length left to pywsgi, which sets them apart), from the parsed pairs. pywsgi's
+    own `_headers` formats each field as a line and splits it again. No field is folded
+    here: `read_headers` refuses folding."""
+    for name, value in message._headers:
+        if "_" in name:
+            continue
+        key = name.replace("-", "_").upper()
+        if key != "CONTENT_TYPE" and key != "CONTENT_LENGTH":
+            yield "HTTP_" + key, value.strip()
 
 
 class FramingError(ValueError):

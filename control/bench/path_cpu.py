@@ -135,12 +135,22 @@ def profile(checkout: str, args: argparse.Namespace, out: Path) -> dict:
     finally:
         deployment.stop()
     served = len(records) + round(args.profile_rate * PROFILE_WARMUP_S)  # the warm-up is in the profile
+    stats = pstats.Stats(str(out))
+    _check_ran(stats, checkout)
     return {
         "stats": str(out),
         "answered": sum(r.status == 200 for r in records),
         "requests_profiled": served,
-        "calls_per_request": calls_per_request(pstats.Stats(str(out)), served),
+        "calls_per_request": calls_per_request(stats, served),
     }
+
+
+def _check_ran(stats: pstats.Stats, checkout: str) -> None:
+    """The profiled gateway ran this side's `api` (an import that found another checkout's,
+    or a port another gateway took first, would profile the wrong code without a word)."""
+    ran = {Path(f).parent.parent for f, _line, _name in stats.stats if Path(f).parent.name == "api"}  # type: ignore[attr-defined]
+    if ran != {Path(checkout).resolve()}:
+        raise RuntimeError(f"the profiled gateway ran the api of {sorted(map(str, ran))}, not of {checkout}")
 
 
 def _wait_ready(url: str, timeout_s: float = 60.0) -> None:

@@ -97,6 +97,11 @@ from api.server.handler import handler_class
 from api.server.limits import RequestLimits
 
 def app(environ, start_response):
+    if environ["PATH_INFO"] == "/environ":  # the header fields as the app sees them
+        fields = {k: v for k, v in environ.items() if k.startswith(("HTTP_", "CONTENT_"))}
+        body = json.dumps(fields, sort_keys=True).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
     if environ["PATH_INFO"] == "/chunked":  # no Content-Length: pywsgi frames it in chunks
         start_response("200 OK", [("Content-Type", "text/event-stream")])
         return iter([b"data: one\\n\\n", b"data: two\\n\\n"])
@@ -104,6 +109,10 @@ def app(environ, start_response):
     start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
     return [body]
 
+FIELDS = (  # repeated names, a name with _, spaces around a value, an empty one, a form feed, framing
+    b"X-Dup: 1\\r\\nx-dup: 2\\r\\nX_Under: dropped\\r\\nAccept:   spaced  \\r\\nX-Empty:\\r\\nX-Feed: form\\x0c\\r\\n"
+    b"Content-Type: text/plain\\r\\nContent-Length: 0\\r\\n"
+)
 ours = handler_class(RequestLimits(header_timeout_s=5.0, body_timeout_s=5.0, max_body_bytes=1000))
 seen = {}
 for name, base in (("ours", ours), ("pywsgi", PyWSGIHandler)):
@@ -114,10 +123,10 @@ for name, base in (("ours", ours), ("pywsgi", PyWSGIHandler)):
             return super()._sendall(data)
     server = WSGIServer(("127.0.0.1", 0), app, handler_class=Counting, log=None)
     server.start()
-    for path in ("/json", "/chunked"):
+    for path in ("/json", "/chunked", "/environ"):
         sends.clear()
         with socket.create_connection(server.address) as client:
-            request = b"GET %s HTTP/1.1\\r\\nHost: a\\r\\nConnection: close\\r\\n\\r\\n" % path.encode()
+            request = b"GET %s HTTP/1.1\\r\\nHost: a\\r\\nConnection: close\\r\\n%s\\r\\n" % (path.encode(), FIELDS)
             client.sendall(request)
             answer = b""
             while chunk := client.recv(65536):
@@ -132,11 +141,12 @@ print(json.dumps(seen))
 """
 
 
-def test_the_answer_goes_in_one_send_with_the_bytes_pywsgi_sends() -> None:
+def test_the_answer_goes_in_one_send_with_the_bytes_pywsgi_sends_and_the_environ_it_builds() -> None:
     out = subprocess.run([sys.executable, "-c", ANSWER_PROBE], capture_output=True, text=True, timeout=60, check=True)
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    for path in ("/json", "/chunked"):
+    for path in ("/json", "/chunked", "/environ"):  # the environ: pywsgi's fields, built from our parser's pairs
         assert seen["ours" + path]["answer"] == seen["pywsgi" + path]["answer"]
+    assert '"HTTP_X_DUP": "1,2"' in seen["ours/environ"]["answer"] and "UNDER" not in seen["ours/environ"]["answer"]
     assert seen["ours/json"]["sends"] == 1 and seen["ours/json"]["first_send_has_body"]
     assert seen["pywsgi/json"]["sends"] == 2  # what the override is for: header block and body apart
     assert seen["ours/chunked"]["sends"] == seen["pywsgi/chunked"]["sends"] - 1  # the first chunk goes with the headers
