@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import orjson
 import redis
@@ -30,6 +31,21 @@ class OrjsonProvider(JSONProvider):
         return cast(Flask, self._app).response_class(orjson.dumps(obj), mimetype="application/json")
 
 
+class GatewayApp(Flask):
+    """Flask, asking once per function whether it is a coroutine function: Flask asks
+    `inspect` on every call of a view, a hook or an error handler (`ensure_sync`)."""
+
+    def __init__(self, import_name: str) -> None:
+        super().__init__(import_name)
+        self._synced: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def ensure_sync(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        synced = self._synced.get(func)
+        if synced is None:
+            synced = self._synced[func] = super().ensure_sync(func)
+        return synced
+
+
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the gateway app; the serving process starts its listener on first use."""
     from api import completions, errors, health, openapi
@@ -37,7 +53,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from tasks.celery.app import make_celery
 
     settings = settings or Settings()
-    app = Flask(__name__)
+    app = GatewayApp(__name__)
     app.json = OrjsonProvider(app)
     # Larger bodies answer 413 (the server refuses them before the app runs, api/server/serve.py).
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

@@ -8,6 +8,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 
 from api import peers
 from api.disconnect import hangup_event
+from api.environ import BODY
 from api.errors import ApiError, describe
 from api.gateway import Gateway, Waiter
 from api.schemas import CompletionRequest
@@ -31,8 +33,14 @@ def gateway() -> Gateway:
     return current_app.extensions["keybatch"]
 
 
-def _header_id(name: str) -> str | None:
-    value = request.headers.get(name)
+def _field(environ: dict[str, Any], name: str) -> str | None:
+    """A request header, as `request.headers.get(name)` reads it (werkzeug's headers are the
+    environ's HTTP_ keys), without a proxy lookup and werkzeug's header layer each time."""
+    return environ.get("HTTP_" + name.upper().replace("-", "_"))
+
+
+def _header_id(environ: dict[str, Any], name: str) -> str | None:
+    value = _field(environ, name)
     if value is None:
         return None
     if not _ID.match(value):
@@ -43,10 +51,10 @@ def _header_id(name: str) -> str | None:
 ANONYMOUS = "anonymous"
 
 
-def caller(settings: Settings) -> tuple[Tier, str]:
+def caller(settings: Settings, environ: dict[str, Any] | None = None) -> tuple[Tier, str]:
     """The key decides the tier (no header can raise it) and the tenant its request ids,
     sessions and cancels are scoped to."""
-    auth = request.headers.get("Authorization")
+    auth = _field(request.environ if environ is None else environ, "Authorization")
     if auth is None:
         if settings.allow_anonymous:
             return FREE, ANONYMOUS
@@ -59,8 +67,8 @@ def caller(settings: Settings) -> tuple[Tier, str]:
     return tier, hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _budget_ms(settings: Settings) -> float:
-    raw = request.headers.get("X-Deadline-Ms")
+def _budget_ms(settings: Settings, environ: dict[str, Any]) -> float:
+    raw = _field(environ, "X-Deadline-Ms")
     if raw is None:
         return settings.deadline_ms
     try:
@@ -88,13 +96,18 @@ def _no_constant(name: str) -> object:
     raise ApiError(400, f"{name} is not a JSON number", "invalid_json")
 
 
-def _json_body() -> object:
+# One decoder for every request (json.loads with a hook builds one, and its scanner, per call).
+_STRICT_JSON = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_no_constant)
+
+
+def _json_body(environ: dict[str, Any]) -> object:
     """The body as strict JSON (UTF-8, no repeated names, no NaN or Infinity, no lone
-    surrogate), whatever the Content-Type says. The bytes stay cached for a forward to a
-    peer region."""
+    surrogate), whatever the Content-Type says. The bytes stay for a forward to a peer
+    region (the server's copy leaves `wsgi.input` unread; werkzeug's read is cached)."""
     try:
-        text = request.get_data(cache=True).decode("utf-8")
-        body = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+        raw = environ.get(BODY)  # read whole by the server; else through werkzeug (cached)
+        text = (raw if raw is not None else request.get_data(cache=True)).decode("utf-8")
+        body = _STRICT_JSON.decode(text)
         if "\\u" in text:  # an escape may be a lone surrogate, which orjson refuses to write
             orjson.dumps(body)
         return body
@@ -107,8 +120,8 @@ def _json_body() -> object:
         ) from None
 
 
-def _parse_body(settings: Settings) -> CompletionRequest:
-    body = _json_body()
+def _parse_body(settings: Settings, environ: dict[str, Any]) -> CompletionRequest:
+    body = _json_body(environ)
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     try:
@@ -161,10 +174,13 @@ def create_completion() -> Response:
     gw = gateway()
     settings = gw.settings
     received = gw.clock.now_ms()
-    tier, tenant = caller(settings)
-    request_id, key, session_key, keep = _scoped(tenant, _header_id("X-Request-Id"), _header_id("X-Session-Id"))
-    budget = _budget_ms(settings)
-    req = _parse_body(settings)
+    environ = request.environ  # once: each `request` is a proxy lookup
+    tier, tenant = caller(settings, environ)
+    request_id, key, session_key, keep = _scoped(
+        tenant, _header_id(environ, "X-Request-Id"), _header_id(environ, "X-Session-Id")
+    )
+    budget = _budget_ms(settings, environ)
+    req = _parse_body(settings, environ)
     job = p.Job.model_construct(  # every field checked already, by CompletionRequest or here
         id=secrets.token_hex(16),
         key=key,
@@ -188,11 +204,11 @@ def create_completion() -> Response:
         forwarded = peers.forward(gw, job, err)  # another region, when this one cannot serve it
         if forwarded is not None:
             return forwarded
-        gw.metrics.requests.labels(job.model, tier, str(err.status)).inc()
+        gw.metrics.of(gw.metrics.requests, job.model, tier, str(err.status)).inc()
         raise
     if req.stream:
         return _stream(gw, waiter)
-    _wait(gw, waiter)
+    _wait(gw, waiter, environ)
     try:
         body = _answer(gw, waiter)
     except ApiError as err:  # the region lost its broker or replicas while the request waited
@@ -206,9 +222,9 @@ def create_completion() -> Response:
     return resp
 
 
-def _wait(gw: Gateway, waiter: Waiter) -> None:
+def _wait(gw: Gateway, waiter: Waiter, environ: dict[str, Any]) -> None:
     """Wait for the answer; a client that hangs up meanwhile cancels its request."""
-    watch = hangup_event(request.environ)
+    watch = hangup_event(environ)
     try:
         gw.wait(waiter, watch.event if watch is not None else None)
     finally:
@@ -227,15 +243,16 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
         status, err = _error_for(item)
         raise err
     finally:
-        gw.metrics.requests.labels(job.model, job.tier, str(status)).inc()
+        metrics = gw.metrics
+        metrics.of(metrics.requests, job.model, job.tier, str(status)).inc()
         if isinstance(item, p.Result):
-            gw.metrics.latency.labels(job.model, job.tier).observe((now - job.received_ms) / 1000)
-            gw.metrics.queue_time.labels(job.model, job.tier).observe(
+            metrics.of(metrics.latency, job.model, job.tier).observe((now - job.received_ms) / 1000)
+            metrics.of(metrics.queue_time, job.model, job.tier).observe(
                 max(0.0, item.batch_start_ms - job.received_ms) / 1000
             )
             batch = item.batch_end_ms - item.batch_start_ms
-            gw.metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
-            gw.metrics.batch_size.observe(item.batch_size)
+            metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
+            metrics.batch_size.observe(item.batch_size)
 
 
 def _error_for(item: object) -> tuple[int, ApiError]:
@@ -329,7 +346,7 @@ def _stream(gw: Gateway, waiter: Waiter) -> Response:
 
 def _first_token(gw: Gateway, waiter: Waiter) -> bool:
     ttft_s = (gw.clock.now_ms() - waiter.job.received_ms) / 1000
-    gw.metrics.ttft.labels(waiter.job.model, waiter.job.tier).observe(ttft_s)
+    gw.metrics.of(gw.metrics.ttft, waiter.job.model, waiter.job.tier).observe(ttft_s)
     return True
 
 

@@ -225,7 +225,7 @@ class Gateway:
                     self._paid_rate[job.model].add(now)
                 self.metrics.inflight.inc()
                 return waiter
-        self.metrics.rejected.labels(job.model, job.tier, verdict.name.lower()).inc()
+        self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position, retry_ms)
 
     def _register(self, waiter: Waiter) -> None:

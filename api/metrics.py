@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -87,12 +88,23 @@ class Metrics:
         self.inflight = Gauge(
             "keybatch_inflight", "Requests waiting in the gateway", registry=r, multiprocess_mode="livesum"
         )
+        self._children: dict[tuple[object, ...], Any] = {}
         # What /metrics shows: this registry, or the sum of every process's files.
         self.exposition = r
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.exposition = CollectorRegistry()
             multiprocess.MultiProcessCollector(self.exposition)
         self.exposition.register(_FleetCollector(fleet))
+
+    def of(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: prometheus-client checks and converts the
+        labels and takes a lock on every call (the labels are few: configured models,
+        tiers, statuses, reasons)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 def _engine_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:

@@ -25,8 +25,9 @@ import gevent
 from gevent.pywsgi import _InvalidClientInput
 from gunicorn.workers.ggevent import PyWSGIHandler
 
+from api.environ import BODY
 from api.server.conntable import Conn, ConnectionTable
-from api.server.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, read_headers
+from api.server.headers import TOO_LONG, TOO_MANY, FramingError, check_framing, environ_fields, read_headers
 from api.server.limits import KEEPALIVE_S, RequestLimits
 from api.server.refusals import (
     ALL_TAKEN,
@@ -165,6 +166,9 @@ class LimitedHandler(PyWSGIHandler):
             check_framing(message, self.request_version)
         return message
 
+    def _headers(self) -> Any:  # pywsgi's: the environ's HTTP_ keys
+        return environ_fields(self.headers)
+
     def get_environ(self) -> Any:
         self._end_deadline()  # the header block is in
         if self.conn is not None and self.table is not None:
@@ -191,10 +195,51 @@ class LimitedHandler(PyWSGIHandler):
         if len(body) > most:
             raise BodyTooLarge
         environ["wsgi.input"] = io.BytesIO(body)
+        environ[BODY] = body  # the app takes it as it is, not through werkzeug's stream
         environ["CONTENT_LENGTH"] = str(len(body))
         environ.pop("HTTP_TRANSFER_ENCODING", None)  # the app sees a plain body
 
-    def _sendall(self, data: bytes) -> None:
+    def _write_with_headers(self, data: bytes) -> None:
+        """The status line, the headers and the first part of the body in one send.
+
+        pywsgi sends the header block and the body in two (two syscalls, and on a
+        socket without Nagle's algorithm two segments the client wakes for). The bytes
+        are the same: its header block, then its own framing of `data` (`_write`)."""
+        self.headers_sent = True
+        self.finalize_headers()
+        towrite = bytearray(b"HTTP/1.1 ")
+        towrite += self.status
+        towrite += b"\r\n"
+        for header, value in self.response_headers:
+            towrite += header
+            towrite += b": "
+            towrite += value
+            towrite += b"\r\n"
+        towrite += b"\r\n"
+        if data and self.response_use_chunked:
+            towrite += b"%x\r\n" % len(data)
+            towrite += data
+            towrite += b"\r\n"
+        elif data:
+            towrite += data
+        self._sendall(towrite)
+
+    def _sendall(self, data: bytes | bytearray | memoryview) -> None:
+        # Most answers fit in the socket's send buffer: one try on the socket itself
+        # (gevent keeps it non-blocking) sends them with no timer and none of gevent's
+        # wait-and-retry layers. What is left waits under the send deadline.
+        raw = getattr(self.socket, "_sock", None)
+        if raw is not None and data:
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent = 0  # pywsgi's own send below meets the error and records it
+            self.response_length += sent
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
         # A client that does not read (pipelining requests it never reads the
         # answers of) would hold the connection and what is queued for it.
         timer = gevent.Timeout(self.send_timeout_s, SendTimedOut)

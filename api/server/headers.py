@@ -12,6 +12,7 @@ parser with `http.client.parse_headers` on the same blocks.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 MAX_HEADER_LINE = 65_536  # the limits of http.client, which pywsgi parses with
@@ -34,9 +35,7 @@ def read_headers(fp: Any, max_bytes: int = MAX_HEADER_LINE, max_fields: int = MA
     with more than `max_fields` fields, sets TOO_LONG or TOO_MANY (431). No more
     than `max_bytes` of the block is ever read. docs/decisions/0006.
     """
-    from gevent.pywsgi import OldMessage  # here, not at import: gevent patches before it is used
-
-    message = OldMessage()
+    message = _message_class()()
     fields = message._headers  # email.message.Message keeps (name, value) pairs here
     left = max_bytes
     for _ in range(max_fields + 1):
@@ -67,6 +66,50 @@ def read_headers(fp: Any, max_bytes: int = MAX_HEADER_LINE, max_fields: int = MA
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.1: a field name
 
+_MESSAGE_CLASS: list[type] = []
+
+
+def _message_class() -> type:
+    """pywsgi's message class, with a `get` that looks a field up in an index.
+
+    pywsgi and the handler ask for a field about ten times a request; email's `get`
+    lowercases every field name on each call. The index (the first value of each name,
+    as email's `get` answers: compat32 returns a str value as it is, and one decoded
+    from ISO-8859-1 holds no surrogate) is built again whenever the fields changed.
+    Made at the first request, not at import: gevent patches before pywsgi is used."""
+    if _MESSAGE_CLASS:
+        return _MESSAGE_CLASS[0]
+    from gevent.pywsgi import OldMessage
+
+    class Fields(OldMessage):
+        _seen: list[tuple[str, str]] | None = None  # the fields as they were when indexed
+        _first: dict[str, str]
+
+        def get(self, name: str, failobj: Any = None) -> Any:
+            if self._seen != self._headers:  # first call, or changed since (pywsgi deletes some)
+                self._first = {}
+                for field_name, value in self._headers:
+                    self._first.setdefault(field_name.lower(), value)
+                self._seen = list(self._headers)
+            return self._first.get(name.lower(), failobj)
+
+    _MESSAGE_CLASS.append(Fields)
+    return Fields
+
+
+def environ_fields(message: Any) -> Iterator[tuple[str, str]]:
+    """The header fields as pywsgi puts them in the environ (`HTTP_` and the name in upper
+    case with `_` for `-`; a name holding `_` dropped, as pywsgi drops it; Content-Type and
+    Content-Length left to pywsgi, which sets them apart), from the parsed pairs. pywsgi's
+    own `_headers` formats each field as a line and splits it again. No field is folded
+    here: `read_headers` refuses folding."""
+    for name, value in message._headers:
+        if "_" in name:
+            continue
+        key = name.replace("-", "_").upper()
+        if key != "CONTENT_TYPE" and key != "CONTENT_LENGTH":
+            yield "HTTP_" + key, value.strip()
+
 
 class FramingError(ValueError):
     """A request whose framing a proxy in front could read otherwise: answered, then closed."""
@@ -94,7 +137,8 @@ def check_framing(message: Any, version: str | None) -> None:
         values = {part.strip(" \t") for v in lengths for part in v.split(",")}
         if len(values) != 1 or not _DIGITS.fullmatch(next(iter(values))):
             raise FramingError(400, "Content-Length is one decimal number")
-        _replace(fields, "content-length", values.pop())
+        if lengths != [next(iter(values))]:  # most requests carry one, already as it should be
+            _replace(fields, "content-length", values.pop())
     if codings:
         if version != "HTTP/1.1":
             raise FramingError(400, "Transfer-Encoding needs HTTP/1.1")

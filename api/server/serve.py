@@ -13,7 +13,7 @@ from gunicorn.app.base import BaseApplication
 
 from api.server.conntable import Conn, ConnectionTable
 from api.server.limits import KEEPALIVE_S, RequestLimits
-from api.server.redis_internals import unpatched_pool_checks
+from api.server.redis_internals import cooperative_pool_queue, quiet_pool_telemetry, unpatched_pool_checks
 from api.server.refusals import ALL_TAKEN
 from control.core.memory import freeze_startup_objects
 from control.core.procs import pid_alive
@@ -185,8 +185,10 @@ def _init_worker(worker: Any) -> None:
     # A worker told to stop (SIGTERM) finishes its requests but admits no new ones.
     gateway = worker.wsgi.extensions["keybatch"]
     gateway.is_serving = lambda: worker.alive
+    cooperative_pool_queue(gateway.redis.connection_pool)  # before anything borrows from it
     gateway.start()  # the registry is read before the first request, not by it
     unpatched_pool_checks()
+    quiet_pool_telemetry()
     freeze_startup_objects()
 
 
@@ -214,6 +216,15 @@ def remove_orphan_metric_dirs(parent: str) -> list[str]:
     return removed
 
 
+def native_metric_locks() -> None:
+    """Import prometheus-client here, in gunicorn's arbiter, before a worker patches
+    threading: its locks are then the interpreter's own, not gevent's (which are
+    Python code, taken about a dozen times a request: each counter and histogram write
+    holds one). No greenlet switches while holding one: what they guard is a write to
+    memory (a value, or the process's mmapped metric file), never I/O that yields."""
+    import prometheus_client  # noqa: F401  # imported for its side effect: the locks it makes
+
+
 def serve(settings: Settings) -> None:
     """Run the gateway in the foreground; with several processes, /metrics sums them
     through prometheus-client's multiprocess mode (a private directory of value files)."""
@@ -223,6 +234,7 @@ def serve(settings: Settings) -> None:
         remove_orphan_metric_dirs(tempfile.gettempdir())
         own_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         os.environ[MULTIPROC_ENV] = own_dir
+    native_metric_locks()
     raise_fd_limit(settings)
     try:
         GatewayServer(settings).run()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from control.bench.gateway_cpu import commit_of
+from control.bench.path_cpu import commit_of
 
 DRIVER = Path(__file__).with_name("cycle_driver.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -226,13 +226,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     quality.add_argument("--json", default=None, help="write the figures here")
 
 
-def add_gateway_cpu_args(p: argparse.ArgumentParser) -> None:
+def add_path_cpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkout", required=True, help="the other checkout (a git worktree) to compare with")
     p.add_argument("--rate", type=float, default=300.0, help="offered requests per second")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of measured load per run")
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, interleaved")
     p.add_argument("--workers", type=int, default=2, help="replicas")
     p.add_argument("--json", default=None, help="write all figures here")
+    p.add_argument("--profile", default=None, help="then profile each side's gateway (cProfile) into this folder")
+    p.add_argument("--profile-rate", type=float, default=50.0, help="offered requests per second while profiling")
 
 
 def add_broker_bench_args(p: argparse.ArgumentParser) -> None:

@@ -68,9 +68,9 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         add_cycle_args,
         add_dash_bench_args,
         add_engine_bench_args,
-        add_gateway_cpu_args,
         add_goodput_args,
         add_ops_bench_args,
+        add_path_cpu_args,
         add_peer_args,
         add_policies_args,
         add_rebalance_bench_args,
@@ -91,8 +91,12 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     add_goodput_args(bench_sub.add_parser("goodput", help="answered 200 a second at and past capacity, both policies"))
     add_cycle_args(bench_sub.add_parser("cycle", help="one saturated replica: does the engine wait for its loop?"))
-    add_gateway_cpu_args(
-        bench_sub.add_parser("gateway-cpu", help="the gateway's CPU per request: this checkout against another")
+    add_path_cpu_args(
+        bench_sub.add_parser(
+            "path-cpu",
+            aliases=["gateway-cpu"],
+            help="CPU per request of the gateway, the replicas and the broker: this checkout against another",
+        )
     )
     add_broker_bench_args(
         bench_sub.add_parser("broker", help="Valkey's commands, bytes and CPU per request, and one core's share")
@@ -284,10 +288,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.cycle import run_cycle
 
         return run_cycle(args)
-    if args.bench == "gateway-cpu":
-        from control.bench.gateway_cpu import run_gateway_cpu
+    if args.bench in ("path-cpu", "gateway-cpu"):
+        from control.bench.path_cpu import run_path_cpu
 
-        return run_gateway_cpu(args)
+        return run_path_cpu(args)
     return bench.run_serving(settings, args)
 
 

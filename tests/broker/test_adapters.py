@@ -50,14 +50,23 @@ def test_the_header_parser_builds_what_http_client_builds(block: bytes) -> None:
 
     ours = read_headers(io.BytesIO(block))
     theirs = http.client.parse_headers(io.BytesIO(block), _class=OldMessage)
-    assert type(ours) is type(theirs)
+    assert isinstance(ours, OldMessage)
     assert ours.status == theirs.status == ""
     assert [name.lower() for name in ours.keys()] == [name.lower() for name in theirs.keys()]
     for name in theirs.keys():
         assert ours.get_all(name) == [" ".join(v.split()) for v in theirs.get_all(name)]
         assert ours[name] is not None and name.upper() in ours  # case-insensitive, like email's
+        for asked in (name, name.lower(), name.upper()):  # our indexed `get` answers as email's does
+            assert ours.get(asked) == " ".join(theirs.get(asked).split())
+    assert ours.get("X-Absent") is theirs.get("X-Absent") is None
+    assert ours.get("X-Absent", "") == theirs.get("X-Absent", "") == ""
     # pywsgi reads the fields from the list email keeps them in, to build the environ
     assert [name for name, _value in ours._headers] == [name for name, _value in theirs._headers]
+    for message in (ours, theirs):  # pywsgi deletes Content-Length for a chunked body; fields may change
+        del message["content-length"]
+        message["X-Added"] = "1"
+    assert ours.get("Content-Length") is theirs.get("Content-Length") is None
+    assert ours.get("x-added") == theirs.get("x-added") == "1"
 
 
 @pytest.mark.parametrize(
@@ -74,6 +83,73 @@ def test_the_header_parser_builds_what_http_client_builds(block: bytes) -> None:
 )
 def test_a_malformed_header_block_sets_the_status_pywsgi_answers_400(block: bytes, status: str) -> None:
     assert read_headers(io.BytesIO(block)).status == status
+
+
+# -- pywsgi's answer, written by our handler --------------------------------------
+
+ANSWER_PROBE = """
+from gevent import monkey
+monkey.patch_all()
+import json, re, socket, sys
+from gevent.pywsgi import WSGIServer
+from gunicorn.workers.ggevent import PyWSGIHandler
+from api.server.handler import handler_class
+from api.server.limits import RequestLimits
+
+def app(environ, start_response):
+    if environ["PATH_INFO"] == "/environ":  # the header fields as the app sees them
+        fields = {k: v for k, v in environ.items() if k.startswith(("HTTP_", "CONTENT_"))}
+        body = json.dumps(fields, sort_keys=True).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+    if environ["PATH_INFO"] == "/chunked":  # no Content-Length: pywsgi frames it in chunks
+        start_response("200 OK", [("Content-Type", "text/event-stream")])
+        return iter([b"data: one\\n\\n", b"data: two\\n\\n"])
+    body = b'{"id": "cmpl-1", "object": "text_completion"}'
+    start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+FIELDS = (  # repeated names, a name with _, spaces around a value, an empty one, a form feed, framing
+    b"X-Dup: 1\\r\\nx-dup: 2\\r\\nX_Under: dropped\\r\\nAccept:   spaced  \\r\\nX-Empty:\\r\\nX-Feed: form\\x0c\\r\\n"
+    b"Content-Type: text/plain\\r\\nContent-Length: 0\\r\\n"
+)
+ours = handler_class(RequestLimits(header_timeout_s=5.0, body_timeout_s=5.0, max_body_bytes=1000))
+seen = {}
+for name, base in (("ours", ours), ("pywsgi", PyWSGIHandler)):
+    sends = []
+    class Counting(base):
+        def _sendall(self, data):
+            sends.append(bytes(data))
+            return super()._sendall(data)
+    server = WSGIServer(("127.0.0.1", 0), app, handler_class=Counting, log=None)
+    server.start()
+    for path in ("/json", "/chunked", "/environ"):
+        sends.clear()
+        with socket.create_connection(server.address) as client:
+            request = b"GET %s HTTP/1.1\\r\\nHost: a\\r\\nConnection: close\\r\\n%s\\r\\n" % (path.encode(), FIELDS)
+            client.sendall(request)
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+        seen[name + path] = {
+            "answer": re.sub(rb"Date: [^\\r]*", b"Date: -", answer).decode(),
+            "first_send_has_body": path == "/json" and sends[0].endswith(b"}"),
+            "sends": len(sends),
+        }
+    server.stop()
+print(json.dumps(seen))
+"""
+
+
+def test_the_answer_goes_in_one_send_with_the_bytes_pywsgi_sends_and_the_environ_it_builds() -> None:
+    out = subprocess.run([sys.executable, "-c", ANSWER_PROBE], capture_output=True, text=True, timeout=60, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    for path in ("/json", "/chunked", "/environ"):  # the environ: pywsgi's fields, built from our parser's pairs
+        assert seen["ours" + path]["answer"] == seen["pywsgi" + path]["answer"]
+    assert '"HTTP_X_DUP": "1,2"' in seen["ours/environ"]["answer"] and "UNDER" not in seen["ours/environ"]["answer"]
+    assert seen["ours/json"]["sends"] == 1 and seen["ours/json"]["first_send_has_body"]
+    assert seen["pywsgi/json"]["sends"] == 2  # what the override is for: header block and body apart
+    assert seen["ours/chunked"]["sends"] == seen["pywsgi/chunked"]["sends"] - 1  # the first chunk goes with the headers
 
 
 # -- redis-py's pooled-connection check under gevent -------------------------------
@@ -118,6 +194,106 @@ def test_redis_py_checks_pooled_connections_through_the_poll_we_swap(broker_url:
 
 
 # -- kombu's Redis channel: the pull gate ------------------------------------------
+
+
+POOL_PROBE = """
+import redis  # before the patching, as in the gateway: gunicorn's arbiter imported it before the fork
+from gevent import monkey
+monkey.patch_all()
+import json, sys, time
+import gevent
+from api.server.redis_internals import cooperative_pool_queue, unpatched_pool_checks
+
+unpatched_pool_checks()  # as the gateway's worker does: the check before a lend does not yield either
+pool = redis.BlockingConnectionPool.from_url(sys.argv[1], max_connections=2, timeout=0.2)
+if sys.argv[2] == "gevent":
+    cooperative_pool_queue(pool)
+pool.release(pool.get_connection())  # the connect itself goes through the loop
+client = redis.Redis(connection_pool=pool)
+import greenlet
+switches = []
+greenlet.settrace(lambda event, args: switches.append(event))
+for _ in range(50):
+    pool.release(pool.get_connection())
+greenlet.settrace(None)
+lend_and_return = len(switches)
+held = [pool.get_connection(), pool.get_connection()]
+started = time.monotonic()
+try:
+    pool.get_connection()
+    full = "lent a third"
+except redis.ConnectionError as exc:
+    full = str(exc)
+waited_s = time.monotonic() - started
+later = gevent.spawn(pool.get_connection)  # waits for one to come back
+gevent.sleep(0.01)
+pool.release(held.pop())
+handed_on = later.get(timeout=1)
+pool.release(handed_on)
+pool.release(held.pop())
+print(json.dumps({
+    "queue": type(pool.pool).__module__,
+    "switches": lend_and_return,
+    "full": full,
+    "waited_s": waited_s,
+    "handed_on": handed_on is not None,
+    "ping": client.ping(),
+}))
+"""
+
+
+@pytest.mark.parametrize("queue", ["gevent", "standard"])
+def test_the_bounded_pool_lends_through_gevents_queue_without_a_switch_to_the_hub(broker_url: str, queue: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", POOL_PROBE, broker_url, queue], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    if queue == "gevent":
+        assert seen["queue"].startswith("gevent")
+        assert seen["switches"] == 0
+    else:  # what the swap is for: the standard library's queue switches to gevent's hub and back on each
+        assert seen["queue"] == "queue" and seen["switches"] >= 100  # get and put
+    assert seen["full"] == "No connection available." and 0.15 < seen["waited_s"] < 1.0  # the bound holds
+    assert seen["handed_on"] and seen["ping"]
+
+
+TELEMETRY_PROBE = """
+import json, sys
+import redis
+from redis.observability import recorder
+from api.server.redis_internals import POOL_TELEMETRY, quiet_pool_telemetry
+
+present = all(name in vars(redis.connection) for name in POOL_TELEMETRY)
+asked = []
+original = recorder._get_or_create_collector
+recorder._get_or_create_collector = lambda: asked.append(1) or original()
+if sys.argv[2] == "quiet":
+    quiet_pool_telemetry()
+pool = redis.ConnectionPool.from_url(sys.argv[1])
+pool.release(pool.get_connection())
+asked.clear()
+for _ in range(50):
+    pool.release(pool.get_connection())
+print(json.dumps({"present": present, "asked": len(asked), "ping": redis.Redis(connection_pool=pool).ping()}))
+"""
+
+
+@pytest.mark.parametrize("telemetry", ["quiet", "standard"])
+def test_the_pool_skips_telemetry_nobody_collects(broker_url: str, telemetry: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", TELEMETRY_PROBE, broker_url, telemetry],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["present"], "redis.connection no longer calls the telemetry functions we replace"
+    assert seen["ping"]
+    if telemetry == "quiet":
+        assert seen["asked"] == 0
+    else:  # what it is for: redis-py asks for a collector on each lend and return
+        assert seen["asked"] >= 200
 
 
 def test_the_pull_gate_holds_messages_in_the_queue_until_it_opens(broker_url: str) -> None:

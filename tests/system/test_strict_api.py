@@ -88,6 +88,7 @@ def test_a_body_that_repeats_a_name_is_refused(kb: Deployment, raw: bytes) -> No
         b'{"model": "kb-small", "prompt": "a", "temperature": -Infinity}',
         b'{"model": "kb-small", "prompt": "\\ud800"}',  # a lone surrogate
         b'{"model": "kb-small", "prompt": "\xff"}',  # not UTF-8
+        b'\xef\xbb\xbf{"model": "kb-small", "prompt": "a"}',  # a byte order mark, which JSON has not
         b"[" * 100_000,
     ],
 )
