@@ -58,7 +58,7 @@ class Waiter:
     item: Item | None = None
     news: threading.Event = field(default_factory=threading.Event)  # a chunk or the answer came
     chunks: list[p.Chunk] = field(default_factory=list)  # streamed text not yet sent on
-    message: str = ""  # the queue message this process pushed for it (RESCUE pushes it again)
+    enqueued: bool = False  # this process pushed its message (RESCUE may push it again)
     behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
 
     def __post_init__(self) -> None:
@@ -302,7 +302,7 @@ class Gateway:
                 return Verdict.ADMIT, 0, 0.0
             if status == Admission.JOINED:  # joined the attempt in flight
                 self._forget(waiter)
-                waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
+                waiter.enqueued = False  # the attempt it joined is the enqueuer's to rescue
                 waiter.attempt = extra.decode()
                 self._register(waiter)
                 return Verdict.ADMIT, 0, 0.0
@@ -316,7 +316,7 @@ class Gateway:
         verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
             waiter.behind = job.behind = extra == b"1"
-            waiter.message = self._task_message(job) if job.behind else message  # as the script pushed it
+            waiter.enqueued = True
         retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
         return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
 
@@ -472,7 +472,7 @@ class Gateway:
         """Offer this process's waiting requests to RESCUE (control/broker/scripts.py): those a
         dead replica had taken from the queue and not yet recorded go back to the queue."""
         with self._lock:
-            group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.message}
+            group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.enqueued}
         rescued = 0
         waiting = list(group.values())
         try:
@@ -624,7 +624,6 @@ def _rescue_offer(waiter: Waiter) -> RescueOffer:
         waiting=keys.waiting_key(job.model, job.tier, waiter.behind),
         deadline_ms=job.deadline_ms,
         received_ms=job.received_ms,
-        message=waiter.message,
     )
 
 

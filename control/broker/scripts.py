@@ -219,8 +219,7 @@ class RescueOffer(NamedTuple):
     queue: str
     waiting: str
     deadline_ms: float
-    received_ms: float
-    message: str  # the task message the gateway pushed (pushed again if rescued)
+    received_ms: float  # (the message pushed again is the one its owner record keeps)
 
 
 class Rescue(_Registered):

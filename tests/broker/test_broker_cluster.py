@@ -140,8 +140,8 @@ def _admit(
 
 
 def _held_record(attempt: str, key: str, deadline_ms: float) -> str:
-    """deadline|queue|waiting set|request key|message, as the replica writes it."""
-    return f"{deadline_ms:.0f}|{keys.queue_key(MODEL, 'paid')}|{keys.waiting_key(MODEL, 'paid')}|{key}|MSG-{attempt}"
+    """deadline|queue|waiting set|request key, as the replica writes it (the owner keeps the message)."""
+    return f"{deadline_ms:.0f}|{keys.queue_key(MODEL, 'paid')}|{keys.waiting_key(MODEL, 'paid')}|{key}"
 
 
 def _result(attempt: str) -> str:
@@ -241,10 +241,11 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
         keys.waiting_key(MODEL, "paid"),
         now + 60_000,
         now,
-        "MSG-att-f",
     ]
     assert s.rescue(keys=[keys.HOLDERS_KEY], args=[265, *offer]) == 1
-    assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-att-f"]
+    assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [
+        b'{"properties":{"priority":0},"body":"MSG-att-f"}'
+    ]  # the message its owner record kept
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

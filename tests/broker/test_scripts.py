@@ -35,9 +35,10 @@ def test_a_gateway_giving_up_cannot_cancel_what_a_retry_elsewhere_took_over(stat
     status, *_counts, joined = _admit(state, "t:give-up", "a2", "gw-b")  # the retry, on another gateway
     assert (status, joined) == (3, b"a1")
     # gw-a's client hung up while the retry waits on gw-b: gw-a only stops waiting (the
-    # owner keeps gw-b, with the empty fingerprint of a request without a client's id).
+    # owner keeps gw-b, with the empty fingerprint of a request without a client's id, and
+    # the message admission pushed).
     assert cancel(args=["t:give-up", "gone", "", "a1", "gw-a"]) == 0
-    assert state.get(keys.owner_key("t:give-up")) == f"gw-b|{WAITING}|t|a1|".encode()
+    assert state.get(keys.owner_key("t:give-up")) == f"gw-b|{WAITING}|t|a1||MESSAGE".encode()
     assert cancel(args=["t:give-up", "gone", "", "a1", "gw-b"]) == 1
 
 

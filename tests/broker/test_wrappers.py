@@ -144,7 +144,7 @@ def test_cancel_takes_the_request_and_tells_its_gateway(state: redis.Redis) -> N
 
 def test_a_replica_records_claims_streams_and_delivers(state: redis.Redis) -> None:
     _admit(state, "acme:r1", "a1", "gw-a")
-    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1", "M")
+    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1")
     entries = [scripts.HeldEntry("a1", "acme:r1", held), scripts.HeldEntry("gone", "acme:gone", held)]
     assert scripts.Record(state)("r1", entries) == 1
     assert state.hgetall(keys.held_key("r1")) == {b"a1": held.encode()}
@@ -170,24 +170,27 @@ def test_a_replica_records_claims_streams_and_delivers(state: redis.Redis) -> No
     assert state.hgetall(keys.held_key("r1")) == {} and state.get(keys.WASTED_KEY) == b"1"
 
 
-def _hold(state: redis.Redis, replica: str, key: str, attempt: str, deadline_ms: float) -> None:
+def _hold(state: redis.Redis, replica: str, key: str, attempt: str, deadline_ms: float) -> bytes:
+    """Admit, take and record a request as `replica`; the message it took."""
     _admit(state, key, attempt)
     queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
-    state.rpop(queue)  # the replica took it
+    message = state.rpop(queue)  # the replica took it
     state.zrem(waiting, attempt)
-    record = records.pack_held(deadline_ms, queue, waiting, key, f"MSG-{attempt}")
+    record = records.pack_held(deadline_ms, queue, waiting, key)
     scripts.Record(state)(replica, [scripts.HeldEntry(attempt, key, record)])
     state.sadd(keys.HOLDERS_KEY, replica)
+    assert isinstance(message, bytes)
+    return message
 
 
 def test_a_sweep_requeues_what_a_replica_without_a_lease_held(state: redis.Redis) -> None:
-    _hold(state, "r1", "acme:r1", "a1", FAR_MS)
+    message = _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     state.set(keys.lease_key("r1"), "1")
     assert scripts.SweepOne(state)("r1", 265) is None  # its lease is alive
     assert scripts.SweepDead(state)(265) == scripts.SweepReport(0, 0, 0, 0)
     state.delete(keys.lease_key("r1"))
     assert scripts.SweepDead(state)(265) == scripts.SweepReport(1, 1, 0, 1)
-    assert state.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-a1"]
+    assert state.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [message]  # the owner kept it
     assert state.get(keys.requeued_key("a1")) == b"1"
 
 
@@ -202,7 +205,7 @@ def test_rescue_pushes_back_a_request_a_dead_replica_popped_and_never_recorded(s
     _admit(state, "acme:r1", "a1")
     queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
     message = state.rpop(queue).decode()  # type: ignore[union-attr]  # popped, then the replica died
-    offer = scripts.RescueOffer("a1", "acme:r1", queue, waiting, FAR_MS, NOW_MS, message)
+    offer = scripts.RescueOffer("a1", "acme:r1", queue, waiting, FAR_MS, NOW_MS)
     rescue = scripts.Rescue(state)
     assert rescue(265, [offer]) == 1
     assert rescue(265, [offer]) == 0  # it is in its queue now
