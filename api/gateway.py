@@ -284,7 +284,7 @@ class Gateway:
                     deepest=deepest,
                     now_ms=now,
                     message=message,
-                    done_key=keys.done_key(job.key) if job.keep_ms else "",
+                    keeps_answer=bool(job.keep_ms),
                     gateway=self.id,
                     request_key=job.key,
                     arrival_field=traffic.arrival_field(job.model, job.tier),
@@ -311,7 +311,9 @@ class Gateway:
                 self._joins(job.key, -1)
         if status == Admission.BODY_MISMATCH:
             raise _reused(waiter.request_id)
-        depths = admission.Depths(paid, paid_behind, free, free_behind)
+        # A list the script did not count (-1: not ahead of this request) is known as empty
+        # here: the cached depths then refuse less without a round trip, never more.
+        depths = admission.Depths(max(paid, 0), max(paid_behind, 0), max(free, 0), max(free_behind, 0))
         self._depth[job.model] = (depths, now)
         verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
@@ -336,7 +338,6 @@ class Gateway:
             queue_behind=lane.queue_behind,
             tenant_waiting=keys.tenant_waiting_key(job.model, job.tier, tenant),
             bucket=keys.bucket_key(job.tier, tenant),
-            owner_behind=records.pack_owner(self.id, lane.waiting_behind, tenant, job.id, fingerprint),
             deepest_behind=limits.deepest_behind,
             fair_depth=limits.fair_depth,
             max_queued=limits.max_queued,

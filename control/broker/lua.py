@@ -94,7 +94,28 @@ local function with_message(owner, message)
   return pack_owner(gateways, waiting, tenant, attempt, fingerprint, message)
 end
 
--- Done: fingerprint, result JSON (a bare JSON object from before fingerprints).
+-- The same owner for the request queued behind other tenants' ones: its tier's waiting
+-- set of those (the tier's set, suffixed).
+local function behind_owner(owner, message)
+  local gateways, waiting, tenant, attempt, fingerprint = owner_parts(owner)
+  return pack_owner(gateways, waiting .. K.behind, tenant, attempt, fingerprint, message)
+end
+
+-- Done: fingerprint, result JSON (a bare JSON object from before fingerprints). It is
+-- kept under the request's owner key once answered, after a '|' (`ANSWERED`): an owner
+-- record starts with a gateway's id, never with '|'.
+local ANSWERED = '|'
+
+-- The owner record in a value read from an owner key, or nil (none, or a kept answer).
+local function owner_of(value)
+  if value and value:sub(1, 1) ~= ANSWERED then return value end
+  return nil
+end
+
+local function get_owner(key)
+  return owner_of(redis.call('GET', K.owner .. key))
+end
+
 local function done_parts(done)
   if done:sub(1, 1) == '{' then return '', done end
   local a = string.find(done, '|', 1, true)
@@ -196,7 +217,7 @@ end
 -- attempt or holder means any. A gateway giving up passes itself as holder: while another
 -- gateway still waits for the request (a retry joined it there) it only stops waiting.
 local function cancel(key, reason, tenant, attempt, holder)
-  local owner = redis.call('GET', K.owner .. key)
+  local owner = get_owner(key)
   if not owner then return 0 end
   local gateways, waiting, who, att, fingerprint, message = owner_parts(owner)
   if tenant ~= '' and tenant ~= who then return 0 end
@@ -208,7 +229,8 @@ local function cancel(key, reason, tenant, attempt, holder)
       for gateway in string.gmatch(gateways, '[^,]+') do
         if gateway ~= holder then rest[#rest + 1] = gateway end
       end
-      redis.call('SET', K.owner .. key, pack_owner(table.concat(rest, ','), waiting, who, att, fingerprint, message), 'KEEPTTL')
+      local kept = pack_owner(table.concat(rest, ','), waiting, who, att, fingerprint, message)
+      redis.call('SET', K.owner .. key, kept, 'KEEPTTL')
       return 0
     end
   end
@@ -242,7 +264,7 @@ local function sweep(holder, min_ms)
   for i = 1, #held, 2 do
     local id = held[i]
     local deadline, queue, waiting, key, recorded = held_parts(held[i + 1])
-    local owner = redis.call('GET', K.owner .. key)
+    local owner = get_owner(key)
     if owner then
       local _, _, who, att, _, message = owner_parts(owner)
       if message == '' then message = recorded end
@@ -332,7 +354,7 @@ local rescued = 0
 for i = 2, #ARGV, 6 do
   local att, key, queue, waiting = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local deadline, received = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5])
-  local owner = redis.call('GET', K.owner .. key)
+  local owner = get_owner(key)
   local live, who, message = false, '', ''
   if owner then
     local _, _, tenant, owner_att, _, kept = owner_parts(owner)
@@ -370,8 +392,9 @@ for i = 2, #ARGV, 3 do names[#names + 1] = K.owner .. ARGV[i + 1] end
 local owners, fields = mget(names), {}
 for j = 1, #names do
   local i = 2 + (j - 1) * 3
-  if owners[j] then
-    local _, _, _, att = owner_parts(owners[j])
+  local owner = owner_of(owners[j])
+  if owner then
+    local _, _, _, att = owner_parts(owner)
     if att == ARGV[i] then
       fields[#fields + 1] = ARGV[i]
       fields[#fields + 1] = ARGV[i + 2]
@@ -422,14 +445,15 @@ for j = 1, #names do
   local key, att, keep, kind, item, fallback = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]),
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   local gateway = nil
-  local owner = owners[j]
+  local owner = owner_of(owners[j])
   if owner and not answered[key] then  -- the first item for a request takes its owner
     local gateways, _, _, owner_att, fingerprint = owner_parts(owner)
     if owner_att == att then
       gateway = gateways
-      answered[key] = true
-      if keep > 0 and kind == 'result' then
-        redis.call('SET', K.done .. key, pack_done(fingerprint, item), 'PX', keep)
+      answered[key] = 'gone'
+      if keep > 0 and kind == 'result' then  -- the answer takes the owner's place
+        redis.call('SET', K.owner .. key, ANSWERED .. pack_done(fingerprint, item), 'PX', keep)
+        answered[key] = 'kept'
       end
       delivered = delivered + 1
     end
@@ -443,7 +467,9 @@ for j = 1, #names do
   ids[#ids + 1] = att
 end
 local gone = {}
-for key in pairs(answered) do gone[#gone + 1] = K.owner .. key end
+for key, how in pairs(answered) do
+  if how == 'gone' then gone[#gone + 1] = K.owner .. key end
+end
 for from = 1, #gone, 500 do redis.call('DEL', unpack(gone, from, math.min(from + 499, #gone))) end
 if #ids > 0 then call_many('HDEL', K.held .. holder, ids) end
 notify_all(out, order)
@@ -461,7 +487,7 @@ STREAM_LUA = (
 local out, order = {}, {}
 for i = 1, #ARGV, 3 do
   local key, att, item = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local owner = redis.call('GET', K.owner .. key)
+  local owner = get_owner(key)
   if owner then
     local gateway, _, _, owner_att = owner_parts(owner)
     if owner_att == att then collect(out, order, gateway, item) end
@@ -479,15 +505,16 @@ CANCEL_LUA = LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5
 # The admission, its first part: a stored answer, or a retry joining the attempt in flight.
 _ADMIT_JOIN = """
 local _, _, _, _, fingerprint = owner_parts(ARGV[1])
-if ARGV[9] ~= '' then
-  local done = redis.call('GET', ARGV[9])
-  if done then
-    local stored, answer = done_parts(done)
+local current = redis.call('GET', KEYS[1])
+if current and not owner_of(current) then
+  -- Answered within the idempotency window: its answer, to a request that keeps one.
+  if ARGV[9] ~= '' then
+    local stored, answer = done_parts(current:sub(#ANSWERED + 1))
     if stored ~= fingerprint then return {4, 0, 0, ''} end
     return {2, 0, 0, answer}
   end
+  current = nil  -- this one keeps none: admitted anew, in its place
 end
-local current = redis.call('GET', KEYS[1])
 if current and redis.call('PTTL', KEYS[1]) <= C.owner_slack_ms then
   -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
   -- that attempt any more; drop it and admit the retry as a new one.
@@ -501,7 +528,8 @@ if current then
   local gateways, waiting, tenant, attempt, held, message = owner_parts(current)
   if held ~= fingerprint then return {4, 0, 0, ''} end
   if not has_gateway(gateways, ARGV[10]) then
-    redis.call('SET', KEYS[1], pack_owner(gateways .. ',' .. ARGV[10], waiting, tenant, attempt, held, message), 'KEEPTTL')
+    local joined = pack_owner(gateways .. ',' .. ARGV[10], waiting, tenant, attempt, held, message)
+    redis.call('SET', KEYS[1], joined, 'KEEPTTL')
   end
   return {3, 0, 0, attempt}
 end
@@ -513,22 +541,25 @@ end
 _ADMIT_DECIDE = """
 local now = tonumber(ARGV[7])
 local tenanted = ARGV[13] ~= nil
-local lists = {KEYS[2], KEYS[3]}
-if tenanted then lists = {KEYS[2], ARGV[13], KEYS[3], ARGV[14]} end
+local is_free = ARGV[5] == 'free'
 -- What waits is what has not expired: counted without trimming (the replicas trim their
--- model's sets with their heartbeat; a request leaving takes its entries out).
+-- model's sets with their heartbeat; a request leaving takes its entries out). Only the
+-- lists ahead of this request are counted; -1 answers one not counted.
 local live = '(' .. ARGV[7]
-local d = {}
-for i, key in ipairs(lists) do d[i] = redis.call('ZCOUNT', key, live, '+inf') end
-local paid, paid_behind, free, free_behind = d[1], 0, d[2], 0
-if tenanted then paid, paid_behind, free, free_behind = d[1], d[2], d[3], d[4] end
+local function count(key) return redis.call('ZCOUNT', key, live, '+inf') end
+local paid, paid_behind, free, free_behind = count(KEYS[2]), 0, -1, 0
+if tenanted then paid_behind, free_behind = -1, -1 end
+if is_free then
+  free = count(KEYS[3])
+  if tenanted then paid_behind = count(ARGV[13]) end
+end
 local own, own_behind = KEYS[2], ARGV[13]
-if ARGV[5] == 'free' then own, own_behind = KEYS[3], ARGV[14] end
+if is_free then own, own_behind = KEYS[3], ARGV[14] end
 local behind, queued, tokens, rate = false, 0, 0, 0
 if tenanted then
-  rate = tonumber(ARGV[22])
+  rate = tonumber(ARGV[21])
   if rate > 0 then
-    tokens = tonumber(ARGV[23])
+    tokens = tonumber(ARGV[22])
     local bucket = redis.call('HMGET', ARGV[17], 't', 'at')
     if bucket[1] then
       tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
@@ -537,12 +568,12 @@ if tenanted then
       return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
     end
   end
-  local mine, fair = ARGV[16], tonumber(ARGV[20])
+  local mine, fair = ARGV[16], tonumber(ARGV[19])
   queued = redis.call('ZCOUNT', mine, live, '+inf')
   if queued >= fair then
     -- Entries of requests that left without being removed here (a path that missed
     -- it) must not hold the share: the oldest are checked against the waiting sets.
-    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[24]))) do
+    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[23]))) do
       if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
         redis.call('ZREM', mine, id)
         queued = queued - 1
@@ -550,18 +581,20 @@ if tenanted then
     end
   end
   behind = queued >= fair
+  if behind and is_free then free_behind = count(ARGV[14]) end
+  if behind and not is_free then paid_behind = count(ARGV[13]) end
 end
 local position = paid + 1
-if ARGV[5] == 'free' then position = position + paid_behind + free end
-if behind then position = position + (ARGV[5] == 'free' and free_behind or paid_behind) end
-if behind and position > tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if is_free then position = position + paid_behind + free end
+if behind then position = position + (is_free and free_behind or paid_behind) end
+if behind and position > tonumber(ARGV[18]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
-if tenanted and queued >= tonumber(ARGV[21]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if tenanted and queued >= tonumber(ARGV[20]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 -- The owner keeps the message as pushed: what a sweep or a rescue pushes again.
 if behind then
   local step = ARGV[5] == 'free' and C.free_priority or C.paid_priority
   local message = envelope_behind(ARGV[8], step, C.behind_step)
-  redis.call('SET', KEYS[1], with_message(ARGV[18], message), 'PX', ARGV[2])
+  redis.call('SET', KEYS[1], behind_owner(ARGV[1], message), 'PX', ARGV[2])
   redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
   redis.call('LPUSH', ARGV[15], message)
 else
@@ -579,7 +612,7 @@ if tenanted then
   end
   if rate > 0 then
     redis.call('HSET', ARGV[17], 't', tokens - 1, 'at', now)
-    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[23]) * 1000 / rate) + 1000)
+    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[22]) * 1000 / rate) + 1000)
   end
 end
 if KEYS[5] then

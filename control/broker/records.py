@@ -6,8 +6,10 @@
   packs the first five; the admission script adds the queue message as it pushed it,
   which is what a sweep or a rescue pushes again (it is in the broker once more, not
   sent again).
-- The *done* record (`keys.done_key`): a finished request's answer kept for retries,
-  "<fingerprint>|<result JSON>" (a bare JSON object from before fingerprints).
+- The *done* record: a finished request's answer kept for retries,
+  "<fingerprint>|<result JSON>" (a bare JSON object from before fingerprints). It takes
+  the owner record's place under the owner key, after `ANSWERED` (an owner record starts
+  with a gateway's id, never with '|'), so admission reads one key for both.
 - The *held* record (a field of `keys.held_key`): a request a replica took from its
   queue, "<deadline ms>|<queue>|<waiting set>|<request key>": it names the request, whose
   owner record holds the message (a record written with a message last, as before the
@@ -61,6 +63,9 @@ def parse_owner(raw: bytes | str) -> Owner:
 class Done(NamedTuple):
     fingerprint: str
     result: str  # the Result's JSON
+
+
+ANSWERED = "|"  # first in a value under an owner key that holds a done record
 
 
 def pack_done(fingerprint: str, result: str) -> str:

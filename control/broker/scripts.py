@@ -101,6 +101,8 @@ _ADMISSION = {status.value: status for status in Admission}
 class AdmitAnswer(NamedTuple):
     status: Admission
     paid: int  # requests waiting in line, paid and free, and behind other tenants' ones
+    # (-1: a list not counted, as it is not ahead of this request: the free ones for a paid
+    # request, a tier's list behind for one in line)
     free: int
     paid_behind: int
     free_behind: int
@@ -116,7 +118,6 @@ class TenantTerms(NamedTuple):
     queue_behind: str
     tenant_waiting: str
     bucket: str
-    owner_behind: str  # the owner record, should the request queue behind
     deepest_behind: int  # the deepest position a request behind may take
     fair_depth: int
     max_queued: int
@@ -148,7 +149,7 @@ class Admit:
         deepest: int,
         now_ms: float,
         message: str,
-        done_key: str,  # '' when the answer is not kept
+        keeps_answer: bool,  # its answer is kept for retries (under its owner key)
         gateway: str,
         request_key: str,
         arrival_field: str,  # the traffic field the arrival counts in
@@ -158,7 +159,8 @@ class Admit:
             owner_key, waiting_paid, waiting_free, queue
         ]  # fmt: skip
         args: list[EncodableT] = [
-            owner, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, done_key, gateway, request_key,
+            owner, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, "1" if keeps_answer else "", gateway,
+            request_key,
             arrival_field,
         ]  # fmt: skip
         if tenant is not None:

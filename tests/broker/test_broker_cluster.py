@@ -129,13 +129,12 @@ def _admit(
         names.append(keys.session_key(session))
     tenant = p.tenant_of(key)
     owner = f"{gateway}|{waiting}|{tenant}|{attempt}"
-    done = keys.done_key(key) if keep_ms else ""
+    done = "1" if keep_ms else ""  # the answer is kept
     message = f'{{"properties":{{"priority":0}},"body":"MSG-{attempt}"}}'
     args: list = [owner, 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key, "kb-small|paid|in"]
-    behind_owner = f"{gateway}|{keys.waiting_key(MODEL, 'paid', behind=True)}|{tenant}|{attempt}"
     args += [keys.waiting_key(MODEL, "paid", behind=True), keys.waiting_key(MODEL, "free", behind=True)]
     args += [keys.queue_key(MODEL, "paid", behind=True), keys.tenant_waiting_key(MODEL, "paid", tenant)]
-    args += [keys.bucket_key("paid", tenant), behind_owner, 100, fair, 100, 100.0, 100.0, 8]
+    args += [keys.bucket_key("paid", tenant), 100, fair, 100, 100.0, 100.0, 8]
     return s.admit(keys=names, args=args)  # type: ignore[no-any-return]
 
 
