@@ -572,7 +572,10 @@ if tenanted then
   queued = redis.call('ZCOUNT', mine, live, '+inf')
   if queued >= fair then
     -- Entries of requests that left without being removed here (a path that missed
-    -- it) must not hold the share: the oldest are checked against the waiting sets.
+    -- it) must not hold the share: those past their deadline go (they are not counted,
+    -- but the share is where a flood's garbage would pile up), and the oldest others are
+    -- checked against the waiting sets.
+    redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
     for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[23]))) do
       if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
         redis.call('ZREM', mine, id)
