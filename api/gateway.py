@@ -26,7 +26,7 @@ from celery import Celery
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control.broker import keys, records, traffic
+from control.broker import keys, traffic
 from control.broker.envelope import TaskMessages
 from control.broker.lua import OWNER_SLACK_MS
 from control.broker.registry import FleetView
@@ -265,7 +265,6 @@ class Gateway:
         fingerprint = body_fingerprint(job) if job.keep_ms else ""  # only a client's own id is joined
         now = self.clock.now_ms()
         lane = keys.lane_keys(job.model, job.tier)
-        owner = records.pack_owner(self.id, lane.waiting, tenant, job.id, fingerprint)
         if fingerprint:
             self._joins(job.key, +1)
         try:
@@ -276,7 +275,7 @@ class Gateway:
                     waiting_free=lane.waiting_free,
                     queue=lane.queue,
                     session=keys.session_key(session_key) if session_key else None,
-                    owner=owner,
+                    fingerprint=fingerprint,
                     ttl_ms=ttl,
                     deadline_ms=job.deadline_ms,
                     attempt=job.id,

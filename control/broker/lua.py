@@ -88,17 +88,11 @@ local function pack_owner(gateways, waiting, tenant, attempt, fingerprint, messa
   return gateways .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt .. '|' .. fingerprint .. '|' .. message
 end
 
--- The owner a gateway packed (without the message), with the message.
-local function with_message(owner, message)
-  local gateways, waiting, tenant, attempt, fingerprint = owner_parts(owner)
-  return pack_owner(gateways, waiting, tenant, attempt, fingerprint, message)
-end
-
--- The same owner for the request queued behind other tenants' ones: its tier's waiting
--- set of those (the tier's set, suffixed).
-local function behind_owner(owner, message)
-  local gateways, waiting, tenant, attempt, fingerprint = owner_parts(owner)
-  return pack_owner(gateways, waiting .. K.behind, tenant, attempt, fingerprint, message)
+-- The tenant a request's key is scoped to ("<tenant>:<id>", control/core/protocol.py).
+local function tenant_of(key)
+  local c = string.find(key, ':', 1, true)
+  if c then return key:sub(1, c - 1) end
+  return key
 end
 
 -- Done: fingerprint, result JSON (a bare JSON object from before fingerprints). It is
@@ -504,7 +498,7 @@ CANCEL_LUA = LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5
 
 # The admission, its first part: a stored answer, or a retry joining the attempt in flight.
 _ADMIT_JOIN = """
-local _, _, _, _, fingerprint = owner_parts(ARGV[1])
+local fingerprint = ARGV[1]
 local current = redis.call('GET', KEYS[1])
 if current and not owner_of(current) then
   -- Answered within the idempotency window: its answer, to a request that keeps one.
@@ -593,15 +587,19 @@ if behind then position = position + (is_free and free_behind or paid_behind) en
 if behind and position > tonumber(ARGV[18]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
 if tenanted and queued >= tonumber(ARGV[20]) then return {-3, paid, free, paid_behind, free_behind, ''} end
--- The owner keeps the message as pushed: what a sweep or a rescue pushes again.
+-- The owner, made here from the request's parts; it keeps the message as pushed, which
+-- is what a sweep or a rescue pushes again.
+local function admitted(waiting, message)
+  return pack_owner(ARGV[10], waiting, tenant_of(ARGV[11]), ARGV[4], fingerprint, message)
+end
 if behind then
   local step = ARGV[5] == 'free' and C.free_priority or C.paid_priority
   local message = envelope_behind(ARGV[8], step, C.behind_step)
-  redis.call('SET', KEYS[1], behind_owner(ARGV[1], message), 'PX', ARGV[2])
+  redis.call('SET', KEYS[1], admitted(own .. K.behind, message), 'PX', ARGV[2])
   redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
   redis.call('LPUSH', ARGV[15], message)
 else
-  redis.call('SET', KEYS[1], with_message(ARGV[1], ARGV[8]), 'PX', ARGV[2])
+  redis.call('SET', KEYS[1], admitted(own, ARGV[8]), 'PX', ARGV[2])
   redis.call('ZADD', own, ARGV[3], ARGV[4])
   redis.call('LPUSH', KEYS[4], ARGV[8])
 end

@@ -141,7 +141,7 @@ class Admit:
         waiting_free: str,
         queue: str,
         session: str | None,
-        owner: str,
+        fingerprint: str,  # of the body, for retries ('' when the answer is not kept)
         ttl_ms: int,
         deadline_ms: float,
         attempt: str,
@@ -159,9 +159,8 @@ class Admit:
             owner_key, waiting_paid, waiting_free, queue
         ]  # fmt: skip
         args: list[EncodableT] = [
-            owner, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, "1" if keeps_answer else "", gateway,
-            request_key,
-            arrival_field,
+            fingerprint, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, "1" if keeps_answer else "",
+            gateway, request_key, arrival_field,
         ]  # fmt: skip
         if tenant is not None:
             args += tenant

@@ -68,7 +68,7 @@ def test_a_held_record_round_trips_and_lua_reads_it(state: redis.Redis) -> None:
 
 
 def test_a_held_record_written_with_its_message_still_reads(state: redis.Redis) -> None:
-    old = f"{records.pack_held(*HELD[:4])}|{{\"a\":\"b|c\"}}"  # as a replica wrote it before the owner kept it
+    old = f'{records.pack_held(*HELD[:4])}|{{"a":"b|c"}}'  # as a replica wrote it before the owner kept it
     assert records.parse_held(old) == HELD._replace(message='{"a":"b|c"}')
     deadline, *rest = _lua(state, "return {held_parts(ARGV[1])}", old)
     assert records.Held(float(deadline), *(p.decode() for p in rest)) == HELD._replace(message='{"a":"b|c"}')

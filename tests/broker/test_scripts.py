@@ -24,8 +24,7 @@ def state() -> Iterator[redis.Redis]:
 
 def _admit(state: redis.Redis, key: str, attempt: str, gateway: str) -> list:
     names = [keys.owner_key(key), keys.waiting_key(MODEL, "paid"), WAITING, keys.queue_key(MODEL, "free")]
-    owner = f"{gateway}|{WAITING}|t|{attempt}"
-    args = [owner, 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway, key]
+    args = ["", 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway, key]
     return state.register_script(ADMIT_LUA)(keys=names, args=args)  # type: ignore[no-any-return]
 
 

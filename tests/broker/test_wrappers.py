@@ -65,7 +65,7 @@ def _admit(
         waiting_free=keys.waiting_key(MODEL, "free"),
         queue=keys.queue_key(MODEL, "paid"),
         session=None,
-        owner=records.pack_owner(gateway, waiting, key.partition(":")[0], attempt, fingerprint),
+        fingerprint=fingerprint,
         ttl_ms=60_000,
         deadline_ms=FAR_MS,
         attempt=attempt,
@@ -96,7 +96,9 @@ def test_admission_admits_then_joins_a_retry_from_another_gateway(state: redis.R
     assert state.hget(keys.traffic_key(int(NOW_MS // 1000)), f"{MODEL}|paid|in") == b"1"
     assert state.ttl(keys.traffic_key(int(NOW_MS // 1000))) > 0  # the first count gave it its TTL
     message = state.lindex(keys.queue_key(MODEL, "paid"), 0)
-    assert records.parse_owner(state.get(keys.owner_key("acme:r1"))).message.encode() == message  # type: ignore[arg-type]
+    assert isinstance(message, bytes)
+    owner = records.parse_owner(state.get(keys.owner_key("acme:r1")))  # type: ignore[arg-type]
+    assert owner == records.Owner("gw-a", keys.waiting_key(MODEL, "paid"), "acme", "a1", "", message.decode())
     joined = _admit(state, "acme:r1", "a2", "gw-b")
     assert (joined.status, joined.extra) == (Admission.JOINED, b"a1")
     assert records.parse_owner(state.get(keys.owner_key("acme:r1"))).gateways == "gw-a,gw-b"  # type: ignore[arg-type]
