@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
@@ -160,6 +161,10 @@ class Gateway:
         self._rescuer = client_like(client, socket_timeout=2.0, socket_connect_timeout=0.5)
         self._rescue = Rescue(self._rescuer)
         self._deaths: int | None = None  # replicas swept so far, deployment-wide
+        # Admissions not yet in the broker's traffic counters (traffic.arrival_field -> how
+        # many): added every 100 ms with the sweep, not one command per request.
+        self._arrivals: Counter[str] = Counter()
+        self._arrivals_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the listener, the health loop and the fleet view (once, in the serving process)."""
@@ -286,7 +291,6 @@ class Gateway:
                     keeps_answer=bool(job.keep_ms),
                     gateway=self.id,
                     request_key=job.key,
-                    arrival_field=traffic.arrival_field(job.model, job.tier),
                     tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, fingerprint),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
@@ -318,8 +322,26 @@ class Gateway:
         if verdict == Verdict.ADMIT:
             waiter.behind = job.behind = extra == b"1"
             waiter.enqueued = True
+            self._count_arrival(job)
         retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
         return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
+
+    def _count_arrival(self, job: p.Job) -> None:
+        field = traffic.arrival_field(job.model, job.tier)
+        with self._arrivals_lock:
+            self._arrivals[field] += 1
+
+    def _flush_arrivals(self) -> None:
+        """The admissions counted since the last call, into the second's traffic counters
+        (kept for the next call if the broker did not take them)."""
+        with self._arrivals_lock:
+            counts, self._arrivals = self._arrivals, Counter()
+        try:
+            traffic.record_arrivals(self._prober, counts, self.clock.now_ms())
+        except redis.RedisError:
+            with self._arrivals_lock:
+                self._arrivals.update(counts)
+            raise
 
     def _max_message_bytes(self, tier: Tier) -> int:
         kb = self.settings.max_message_kb_paid if tier == PAID else self.settings.max_message_kb_free
@@ -439,7 +461,8 @@ class Gateway:
 
     def _watch_broker(self) -> None:
         """Every 100 ms (50 while it is down): sweep replicas whose lease lapsed, which
-        is also the probe of the broker; every second, read the broker's clock."""
+        is also the probe of the broker, and add the admissions to the traffic counters;
+        every second, read the broker's clock."""
         min_ms = self.settings.batch_ms + self.settings.deadline_margin_ms
         last_sync = 0.0
         failed_waiting = False
@@ -453,6 +476,7 @@ class Gateway:
                     # released it): what it had popped and not yet recorded is nowhere.
                     threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(min_ms,)).start()
                 self._deaths = deaths
+                self._flush_arrivals()
                 self._release_orphans()
                 if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
                     self.clock.sync()

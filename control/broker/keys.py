@@ -174,7 +174,6 @@ LUA_KEYS: dict[str, str] = {
     "replica": _stem(replica_key),
     "idle": _stem(idle_key),
     "launch": _stem(launch_key),
-    "traffic": key("traffic", ""),
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,
     "wasted": WASTED_KEY,

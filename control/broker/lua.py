@@ -36,7 +36,7 @@ ignore it) for a cluster client to route the call by.
 
 from __future__ import annotations
 
-from control.broker import keys, traffic
+from control.broker import keys
 from control.broker.envelope import ENVELOPE_LUA
 from control.core import protocol as p
 
@@ -61,7 +61,6 @@ CONSTANTS = {
     "paid_priority": p.PAID_PRIORITY,
     "free_priority": p.FREE_PRIORITY,
     "behind_step": p.BEHIND_STEP,
-    "traffic_keep_s": traffic.KEEP_S,
 }
 PRELUDE = _lua_table("K", keys.LUA_KEYS) + _lua_table("C", CONSTANTS)
 
@@ -530,11 +529,11 @@ end
 """
 
 # The admission proper, after the joins (control/policy/admission.py's `decide`, and the token
-# bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
+# bucket of `take_token`). Without the tenant's arguments (ARGV[12] on) only the tier's
 # position counts.
 _ADMIT_DECIDE = """
 local now = tonumber(ARGV[7])
-local tenanted = ARGV[13] ~= nil
+local tenanted = ARGV[12] ~= nil
 local is_free = ARGV[5] == 'free'
 -- What waits is what has not expired: counted without trimming (the replicas trim their
 -- model's sets with their heartbeat; a request leaving takes its entries out). Only the
@@ -545,16 +544,16 @@ local paid, paid_behind, free, free_behind = count(KEYS[2]), 0, -1, 0
 if tenanted then paid_behind, free_behind = -1, -1 end
 if is_free then
   free = count(KEYS[3])
-  if tenanted then paid_behind = count(ARGV[13]) end
+  if tenanted then paid_behind = count(ARGV[12]) end
 end
-local own, own_behind = KEYS[2], ARGV[13]
-if is_free then own, own_behind = KEYS[3], ARGV[14] end
+local own, own_behind = KEYS[2], ARGV[12]
+if is_free then own, own_behind = KEYS[3], ARGV[13] end
 local behind, queued, tokens, rate = false, 0, 0, 0
 if tenanted then
-  rate = tonumber(ARGV[21])
+  rate = tonumber(ARGV[20])
   if rate > 0 then
-    tokens = tonumber(ARGV[22])
-    local bucket = redis.call('HMGET', ARGV[17], 't', 'at')
+    tokens = tonumber(ARGV[21])
+    local bucket = redis.call('HMGET', ARGV[16], 't', 'at')
     if bucket[1] then
       tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
     end
@@ -562,7 +561,7 @@ if tenanted then
       return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
     end
   end
-  local mine, fair = ARGV[16], tonumber(ARGV[19])
+  local mine, fair = ARGV[15], tonumber(ARGV[18])
   queued = redis.call('ZCOUNT', mine, live, '+inf')
   if queued >= fair then
     -- Entries of requests that left without being removed here (a path that missed
@@ -570,7 +569,7 @@ if tenanted then
     -- but the share is where a flood's garbage would pile up), and the oldest others are
     -- checked against the waiting sets.
     redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
-    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[23]))) do
+    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[22]))) do
       if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
         redis.call('ZREM', mine, id)
         queued = queued - 1
@@ -578,15 +577,15 @@ if tenanted then
     end
   end
   behind = queued >= fair
-  if behind and is_free then free_behind = count(ARGV[14]) end
-  if behind and not is_free then paid_behind = count(ARGV[13]) end
+  if behind and is_free then free_behind = count(ARGV[13]) end
+  if behind and not is_free then paid_behind = count(ARGV[12]) end
 end
 local position = paid + 1
 if is_free then position = position + paid_behind + free end
 if behind then position = position + (is_free and free_behind or paid_behind) end
-if behind and position > tonumber(ARGV[18]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if behind and position > tonumber(ARGV[17]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
-if tenanted and queued >= tonumber(ARGV[20]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if tenanted and queued >= tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 -- The owner, made here from the request's parts; it keeps the message as pushed, which
 -- is what a sweep or a rescue pushes again.
 local function admitted(waiting, message)
@@ -597,23 +596,23 @@ if behind then
   local message = envelope_behind(ARGV[8], step, C.behind_step)
   redis.call('SET', KEYS[1], admitted(own .. K.behind, message), 'PX', ARGV[2])
   redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
-  redis.call('LPUSH', ARGV[15], message)
+  redis.call('LPUSH', ARGV[14], message)
 else
   redis.call('SET', KEYS[1], admitted(own, ARGV[8]), 'PX', ARGV[2])
   redis.call('ZADD', own, ARGV[3], ARGV[4])
   redis.call('LPUSH', KEYS[4], ARGV[8])
 end
 if tenanted then
-  redis.call('ZADD', ARGV[16], ARGV[3], ARGV[4])
+  redis.call('ZADD', ARGV[15], ARGV[3], ARGV[4])
   -- Its TTL outlives the latest deadline in it: this one's, when nothing else waits there.
   if queued == 0 then
-    redis.call('PEXPIRE', ARGV[16], ARGV[2])
+    redis.call('PEXPIRE', ARGV[15], ARGV[2])
   else
-    redis.call('PEXPIRE', ARGV[16], ARGV[2], 'GT')
+    redis.call('PEXPIRE', ARGV[15], ARGV[2], 'GT')
   end
   if rate > 0 then
-    redis.call('HSET', ARGV[17], 't', tokens - 1, 'at', now)
-    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[22]) * 1000 / rate) + 1000)
+    redis.call('HSET', ARGV[16], 't', tokens - 1, 'at', now)
+    redis.call('PEXPIRE', ARGV[16], math.ceil(tonumber(ARGV[21]) * 1000 / rate) + 1000)
   end
 end
 if KEYS[5] then
@@ -622,28 +621,17 @@ if KEYS[5] then
 end
 """
 
-# The traffic counters of an admitted request (control/broker/traffic.py): ARGV[7] is the
-# broker's now in ms, ARGV[12] the field it counts in (a caller without it counts nothing).
-ARRIVAL_LUA = """
-if ARGV[12] then
-  local traffic = K.traffic .. math.floor(tonumber(ARGV[7]) / 1000)
-  -- The first count of a field in a second gives the hash its TTL: the one that made it did.
-  if redis.call('HINCRBY', traffic, ARGV[12], 1) == 1 then redis.call('EXPIRE', traffic, C.traffic_keep_s) end
-end
-"""
-
 # KEYS: owner, waiting paid, waiting free, queue list, [session]; ARGV: `Admit.__call__`'s
-# parameters in its order, then `TenantTerms`' (ARGV[13] on). Returns {status, paid
+# parameters in its order, then `TenantTerms`' (ARGV[12] on). Returns {status, paid
 # waiting, free waiting, [paid behind, free behind,] extra}: the status an `Admission`.
 ADMIT_LUA = (
     # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
-    # script (OOM, answered 503). Unflagged, only its first write is checked, and that
-    # one (ZREMRANGEBYSCORE) is allowed at the limit, so the rest would write past it.
+    # script (OOM, answered 503). Unflagged, only its first write is checked, and one
+    # that removes is allowed at the limit, so the rest would write past it.
     "#!lua\n"
     + LUA_LIB
     + _ADMIT_JOIN
     + _ADMIT_DECIDE
-    + ARRIVAL_LUA
     + "return {1, paid, free, paid_behind, free_behind, behind and '1' or ''}\n"
 )
 

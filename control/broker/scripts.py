@@ -152,7 +152,6 @@ class Admit:
         keeps_answer: bool,  # its answer is kept for retries (under its owner key)
         gateway: str,
         request_key: str,
-        arrival_field: str,  # the traffic field the arrival counts in
         tenant: TenantTerms | None,
     ) -> AdmitAnswer:
         names = [owner_key, waiting_paid, waiting_free, queue, session] if session else [
@@ -160,7 +159,7 @@ class Admit:
         ]  # fmt: skip
         args: list[EncodableT] = [
             fingerprint, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, "1" if keeps_answer else "",
-            gateway, request_key, arrival_field,
+            gateway, request_key,
         ]  # fmt: skip
         if tenant is not None:
             args += tenant
@@ -279,7 +278,7 @@ class Delivery(NamedTuple):
     keep_ms: int  # how long a result is kept for retries (0: not kept)
     kind: str  # the item's `kind`
     item: str  # its JSON
-    fallback_gateway: str  # the gateway that admitted it (gets a drop notice with no owner)
+    fallback_gateway: str  # the gateway that admitted it, for a drop notice with no owner ('' for other kinds)
 
 
 class Delivered(NamedTuple):

@@ -226,7 +226,7 @@ class ReplicaBroker:
         if not jobs:
             return
         deliveries = [
-            scripts.Delivery(job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway)
+            scripts.Delivery(job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), _fallback(item, job))
             for item, job in zip(items, jobs, strict=True)
         ]
         self._deliver(self.name, deliveries, pipe=pipe)
@@ -285,3 +285,8 @@ class ReplicaBroker:
         pipe.zrem(keys.idle_key(old), self.name)
         pipe.set(keys.assignment_key(self.name), new)
         pipe.execute()
+
+
+def _fallback(item: Reply, job: p.Job) -> str:
+    """Only a drop notice goes to the admitting gateway when its request has no owner."""
+    return job.gateway if item.kind == "dropped" else ""

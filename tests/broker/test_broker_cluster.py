@@ -130,7 +130,7 @@ def _admit(
     tenant = p.tenant_of(key)
     done = "1" if keep_ms else ""  # the answer is kept
     message = f'{{"properties":{{"priority":0}},"body":"MSG-{attempt}"}}'
-    args: list = ["", 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key, "kb-small|paid|in"]
+    args: list = ["", 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key]
     args += [keys.waiting_key(MODEL, "paid", behind=True), keys.waiting_key(MODEL, "free", behind=True)]
     args += [keys.queue_key(MODEL, "paid", behind=True), keys.tenant_waiting_key(MODEL, "paid", tenant)]
     args += [keys.bucket_key("paid", tenant), 100, fair, 100, 100.0, 100.0, 8]
