@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
@@ -26,7 +27,7 @@ from celery import Celery
 
 from api.errors import ApiError
 from api.metrics import Metrics
-from control.broker import keys, records, traffic
+from control.broker import keys, traffic
 from control.broker.envelope import TaskMessages
 from control.broker.lua import OWNER_SLACK_MS
 from control.broker.registry import FleetView
@@ -58,7 +59,7 @@ class Waiter:
     item: Item | None = None
     news: threading.Event = field(default_factory=threading.Event)  # a chunk or the answer came
     chunks: list[p.Chunk] = field(default_factory=list)  # streamed text not yet sent on
-    message: str = ""  # the queue message this process pushed for it (RESCUE pushes it again)
+    enqueued: bool = False  # this process pushed its message (RESCUE may push it again)
     behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
 
     def __post_init__(self) -> None:
@@ -160,6 +161,10 @@ class Gateway:
         self._rescuer = client_like(client, socket_timeout=2.0, socket_connect_timeout=0.5)
         self._rescue = Rescue(self._rescuer)
         self._deaths: int | None = None  # replicas swept so far, deployment-wide
+        # Admissions not yet in the broker's traffic counters (traffic.arrival_field -> how
+        # many): added every 100 ms with the sweep, not one command per request.
+        self._arrivals: Counter[str] = Counter()
+        self._arrivals_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the listener, the health loop and the fleet view (once, in the serving process)."""
@@ -265,7 +270,6 @@ class Gateway:
         fingerprint = body_fingerprint(job) if job.keep_ms else ""  # only a client's own id is joined
         now = self.clock.now_ms()
         lane = keys.lane_keys(job.model, job.tier)
-        owner = records.pack_owner(self.id, lane.waiting, tenant, job.id, fingerprint)
         if fingerprint:
             self._joins(job.key, +1)
         try:
@@ -276,7 +280,7 @@ class Gateway:
                     waiting_free=lane.waiting_free,
                     queue=lane.queue,
                     session=keys.session_key(session_key) if session_key else None,
-                    owner=owner,
+                    fingerprint=fingerprint,
                     ttl_ms=ttl,
                     deadline_ms=job.deadline_ms,
                     attempt=job.id,
@@ -284,10 +288,9 @@ class Gateway:
                     deepest=deepest,
                     now_ms=now,
                     message=message,
-                    done_key=keys.done_key(job.key) if job.keep_ms else "",
+                    keeps_answer=bool(job.keep_ms),
                     gateway=self.id,
                     request_key=job.key,
-                    arrival_field=traffic.arrival_field(job.model, job.tier),
                     tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, fingerprint),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
@@ -302,7 +305,7 @@ class Gateway:
                 return Verdict.ADMIT, 0, 0.0
             if status == Admission.JOINED:  # joined the attempt in flight
                 self._forget(waiter)
-                waiter.message = ""  # the attempt it joined is the enqueuer's to rescue
+                waiter.enqueued = False  # the attempt it joined is the enqueuer's to rescue
                 waiter.attempt = extra.decode()
                 self._register(waiter)
                 return Verdict.ADMIT, 0, 0.0
@@ -311,14 +314,34 @@ class Gateway:
                 self._joins(job.key, -1)
         if status == Admission.BODY_MISMATCH:
             raise _reused(waiter.request_id)
-        depths = admission.Depths(paid, paid_behind, free, free_behind)
+        # A list the script did not count (-1: not ahead of this request) is known as empty
+        # here: the cached depths then refuse less without a round trip, never more.
+        depths = admission.Depths(max(paid, 0), max(paid_behind, 0), max(free, 0), max(free_behind, 0))
         self._depth[job.model] = (depths, now)
         verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
             waiter.behind = job.behind = extra == b"1"
-            waiter.message = self._task_message(job) if job.behind else message  # as the script pushed it
+            waiter.enqueued = True
+            self._count_arrival(job)
         retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
         return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
+
+    def _count_arrival(self, job: p.Job) -> None:
+        field = traffic.arrival_field(job.model, job.tier)
+        with self._arrivals_lock:
+            self._arrivals[field] += 1
+
+    def _flush_arrivals(self) -> None:
+        """The admissions counted since the last call, into the second's traffic counters
+        (kept for the next call if the broker did not take them)."""
+        with self._arrivals_lock:
+            counts, self._arrivals = self._arrivals, Counter()
+        try:
+            traffic.record_arrivals(self._prober, counts, self.clock.now_ms())
+        except redis.RedisError:
+            with self._arrivals_lock:
+                self._arrivals.update(counts)
+            raise
 
     def _max_message_bytes(self, tier: Tier) -> int:
         kb = self.settings.max_message_kb_paid if tier == PAID else self.settings.max_message_kb_free
@@ -336,7 +359,6 @@ class Gateway:
             queue_behind=lane.queue_behind,
             tenant_waiting=keys.tenant_waiting_key(job.model, job.tier, tenant),
             bucket=keys.bucket_key(job.tier, tenant),
-            owner_behind=records.pack_owner(self.id, lane.waiting_behind, tenant, job.id, fingerprint),
             deepest_behind=limits.deepest_behind,
             fair_depth=limits.fair_depth,
             max_queued=limits.max_queued,
@@ -439,7 +461,8 @@ class Gateway:
 
     def _watch_broker(self) -> None:
         """Every 100 ms (50 while it is down): sweep replicas whose lease lapsed, which
-        is also the probe of the broker; every second, read the broker's clock."""
+        is also the probe of the broker, and add the admissions to the traffic counters;
+        every second, read the broker's clock."""
         min_ms = self.settings.batch_ms + self.settings.deadline_margin_ms
         last_sync = 0.0
         failed_waiting = False
@@ -453,6 +476,7 @@ class Gateway:
                     # released it): what it had popped and not yet recorded is nowhere.
                     threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(min_ms,)).start()
                 self._deaths = deaths
+                self._flush_arrivals()
                 self._release_orphans()
                 if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
                     self.clock.sync()
@@ -472,7 +496,7 @@ class Gateway:
         """Offer this process's waiting requests to RESCUE (control/broker/scripts.py): those a
         dead replica had taken from the queue and not yet recorded go back to the queue."""
         with self._lock:
-            group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.message}
+            group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.enqueued}
         rescued = 0
         waiting = list(group.values())
         try:
@@ -624,7 +648,6 @@ def _rescue_offer(waiter: Waiter) -> RescueOffer:
         waiting=keys.waiting_key(job.model, job.tier, waiter.behind),
         deadline_ms=job.deadline_ms,
         received_ms=job.received_ms,
-        message=waiter.message,
     )
 
 

@@ -156,11 +156,13 @@ def parse_monitor_line(line: str) -> tuple[str, list[bytes]] | None:
 
 
 # What runs by the clock, not per request: the gateways' sweep and registry reads, the
-# replicas' leases and heartbeats, clock reads. (name, key kind); "" stands for any.
+# replicas' leases and heartbeats (with the trim of their model's waiting sets), clock
+# reads. (name, key kind); "" stands for any.
 BACKGROUND = {
     ("SWEEP_DEAD", ""), ("SWEEP_ONE", ""), ("SMEMBERS", "replicas"), ("HGETALL", "replica"), ("EXISTS", "lease"),
     ("SET", "lease"), ("SADD", "holders"), ("SADD", "replicas"), ("HSET", "replica"), ("EXPIRE", "replica"),
     ("PEXPIRE", "replica"), ("DEL", "replica"), ("GET", "stats"), ("TIME", ""), ("PING", ""),
+    ("ZREMRANGEBYSCORE", "waiting"),
 }  # fmt: skip
 
 

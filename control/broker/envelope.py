@@ -17,6 +17,15 @@ from celery import Celery
 
 from control.core import protocol as p
 
+# The headers a consumer reads: Celery's consumer finds a message's strategy by `task`
+# (protocol 2), and `id` names it. The others `send_task` writes (eta, expires, retries,
+# time limits, group, stamps, origin ..., mostly null) and the body's embedded
+# callbacks serve Celery's own task Request, which the replicas' strategy replaces
+# (tasks/replica/worker.py): left out, they save a third of the message, which the
+# gateway sends once per request and the broker keeps until the answer
+# (docs/decisions/0023).
+KEPT_HEADERS = ("lang", "task", "id")
+
 
 class TaskMessages:
     """The message `send_task` would LPUSH for a job, as kombu's Redis transport stores it.
@@ -25,22 +34,23 @@ class TaskMessages:
     only the id, the argument and the routing change. The envelope is what
     kombu's virtual channel adds (`prepare_message` and `_inplace_augment_message`),
     with the body kept as JSON text (`body_encoding` None, which kombu reads as is)
-    rather than base64. The gateway pushes it in the same Lua call that admits
-    the request, which saves the publish round trip and most of `send_task`'s
-    cost per request. tests/system/test_serving.py runs it through a real worker.
+    rather than base64, and of Celery's headers only `KEPT_HEADERS`. The gateway
+    pushes it in the same Lua call that admits the request, which saves the publish
+    round trip and most of `send_task`'s cost per request.
+    tests/system/test_serving.py runs it through a real worker.
     """
 
     def __init__(self, app: Celery) -> None:
         template = app.amqp.as_task_v2(
             "-", p.TASK_NAME, args=[], kwargs={}, argsrepr="", kwargsrepr="{}", ignore_result=True
         )
-        self._headers = dict(template.headers)
+        self._headers = {k: v for k, v in template.headers.items() if k in KEPT_HEADERS}
         self._properties = dict(template.properties)
-        _args, kwargs, embed = template.body
-        self._body_tail = f", {json.dumps(kwargs)}, {json.dumps(embed)}]"
+        _args, kwargs, _embed = template.body
+        self._body_tail = f", {json.dumps(kwargs)}, {{}}]"
 
     def __call__(self, job: p.Job) -> str:
-        headers = {**self._headers, "id": job.id, "root_id": job.id, "argsrepr": f"({job.model!r}, {job.tier!r})"}
+        headers = {**self._headers, "id": job.id}
         properties = {
             **self._properties,
             "correlation_id": job.id,

@@ -80,13 +80,9 @@ def reply_key(gateway_id: str) -> str:
 
 
 def owner_key(request_key: str) -> str:
-    """Which gateway holds the connection of a request in flight, by its tenant-scoped key."""
+    """Which gateway holds the connection of a request in flight, by its tenant-scoped key;
+    once answered, the answer kept for retries with the same id (control/broker/records.py)."""
     return key("req", request_key)
-
-
-def done_key(request_key: str) -> str:
-    """The stored answer of a finished request, for retries with the same id."""
-    return key("done", request_key)
 
 
 def cancel_key(attempt: str) -> str:
@@ -170,7 +166,6 @@ def _stem(make: Callable[[str], str]) -> str:
 LUA_KEYS: dict[str, str] = {
     "reply": _stem(reply_key),
     "owner": _stem(owner_key),
-    "done": _stem(done_key),
     "cancel": _stem(cancel_key),
     "lease": _stem(lease_key),
     "held": _stem(held_key),
@@ -179,7 +174,6 @@ LUA_KEYS: dict[str, str] = {
     "replica": _stem(replica_key),
     "idle": _stem(idle_key),
     "launch": _stem(launch_key),
-    "traffic": key("traffic", ""),
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,
     "wasted": WASTED_KEY,

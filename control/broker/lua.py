@@ -36,7 +36,7 @@ ignore it) for a cluster client to route the call by.
 
 from __future__ import annotations
 
-from control.broker import keys, traffic
+from control.broker import keys
 from control.broker.envelope import ENVELOPE_LUA
 from control.core import protocol as p
 
@@ -61,29 +61,54 @@ CONSTANTS = {
     "paid_priority": p.PAID_PRIORITY,
     "free_priority": p.FREE_PRIORITY,
     "behind_step": p.BEHIND_STEP,
-    "traffic_keep_s": traffic.KEEP_S,
 }
 PRELUDE = _lua_table("K", keys.LUA_KEYS) + _lua_table("C", CONSTANTS)
 
 # The Lua halves of control/broker/records.py's owner, done and held records, in the
 # same field order as their Python pack and parse.
 RECORDS_LUA = """
--- Owner: gateways, waiting set, tenant, attempt, fingerprint of the body ('' when none).
+-- Owner: gateways, waiting set, tenant, attempt, fingerprint of the body ('' when none),
+-- the queue message as admission pushed it ('' in an owner written without it).
 local function owner_parts(owner)
   local a = string.find(owner, '|', 1, true)
   local b = string.find(owner, '|', a + 1, true)
   local c = string.find(owner, '|', b + 1, true)
   local d = string.find(owner, '|', c + 1, true)
-  local attempt, fingerprint = owner:sub(c + 1), ''
-  if d then attempt, fingerprint = owner:sub(c + 1, d - 1), owner:sub(d + 1) end
-  return owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1, c - 1), attempt, fingerprint
+  local attempt, fingerprint, message = owner:sub(c + 1), '', ''
+  if d then
+    local e = string.find(owner, '|', d + 1, true)
+    attempt = owner:sub(c + 1, d - 1)
+    if e then fingerprint, message = owner:sub(d + 1, e - 1), owner:sub(e + 1) else fingerprint = owner:sub(d + 1) end
+  end
+  return owner:sub(1, a - 1), owner:sub(a + 1, b - 1), owner:sub(b + 1, c - 1), attempt, fingerprint, message
 end
 
-local function pack_owner(gateways, waiting, tenant, attempt, fingerprint)
-  return gateways .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt .. '|' .. fingerprint
+local function pack_owner(gateways, waiting, tenant, attempt, fingerprint, message)
+  return gateways .. '|' .. waiting .. '|' .. tenant .. '|' .. attempt .. '|' .. fingerprint .. '|' .. message
 end
 
--- Done: fingerprint, result JSON (a bare JSON object from before fingerprints).
+-- The tenant a request's key is scoped to ("<tenant>:<id>", control/core/protocol.py).
+local function tenant_of(key)
+  local c = string.find(key, ':', 1, true)
+  if c then return key:sub(1, c - 1) end
+  return key
+end
+
+-- Done: fingerprint, result JSON (a bare JSON object from before fingerprints). It is
+-- kept under the request's owner key once answered, after a '|' (`ANSWERED`): an owner
+-- record starts with a gateway's id, never with '|'.
+local ANSWERED = '|'
+
+-- The owner record in a value read from an owner key, or nil (none, or a kept answer).
+local function owner_of(value)
+  if value and value:sub(1, 1) ~= ANSWERED then return value end
+  return nil
+end
+
+local function get_owner(key)
+  return owner_of(redis.call('GET', K.owner .. key))
+end
+
 local function done_parts(done)
   if done:sub(1, 1) == '{' then return '', done end
   local a = string.find(done, '|', 1, true)
@@ -94,14 +119,33 @@ local function pack_done(fingerprint, result)
   return fingerprint .. '|' .. result
 end
 
--- Held: deadline ms, queue, waiting set, request key, message.
+-- Held: deadline ms, queue, waiting set, request key; a record written with the message
+-- (before the owner kept it) has it last, else the message is ''.
 local function held_parts(rec)
   local a = string.find(rec, '|', 1, true)
   local b = string.find(rec, '|', a + 1, true)
   local c = string.find(rec, '|', b + 1, true)
   local d = string.find(rec, '|', c + 1, true)
-  return tonumber(rec:sub(1, a - 1)), rec:sub(a + 1, b - 1), rec:sub(b + 1, c - 1),
-    rec:sub(c + 1, d - 1), rec:sub(d + 1)
+  local key, message = rec:sub(c + 1), ''
+  if d then key, message = rec:sub(c + 1, d - 1), rec:sub(d + 1) end
+  return tonumber(rec:sub(1, a - 1)), rec:sub(a + 1, b - 1), rec:sub(b + 1, c - 1), key, message
+end
+
+-- The values of `names` in one MGET per 500 (a nil value is false).
+local function mget(names)
+  local out = {}
+  for from = 1, #names, 500 do
+    local got = redis.call('MGET', unpack(names, from, math.min(from + 499, #names)))
+    for j = 1, #got do out[#out + 1] = got[j] end
+  end
+  return out
+end
+
+-- One call of a variadic command for `args`, 500 at a time (`head`: what comes before them).
+local function call_many(command, head, args)
+  for from = 1, #args, 500 do
+    redis.call(command, head, unpack(args, from, math.min(from + 499, #args)))
+  end
 end
 """
 
@@ -124,6 +168,16 @@ end
 -- A tenant's share of its tier's queue (requests in either list), by deadline.
 local function tenant_set(waiting, tenant)
   return in_line(waiting) .. K.tenant .. tenant
+end
+
+-- A re-queued request back in its tier's waiting set and its tenant's share, which
+-- keeps a TTL as admission gives it (PEXPIRE NX: a share this makes has none yet).
+local function back_in_line(waiting, tenant, deadline, id, left_ms)
+  local mine = tenant_set(waiting, tenant)
+  redis.call('ZADD', waiting, deadline, id)
+  redis.call('ZADD', mine, deadline, id)
+  redis.call('PEXPIRE', mine, left_ms + C.owner_slack_ms, 'GT')
+  redis.call('PEXPIRE', mine, left_ms + C.owner_slack_ms, 'NX')
 end
 
 -- `gateways`: the comma-separated ids of every gateway process with a connection waiting.
@@ -156,9 +210,9 @@ end
 -- attempt or holder means any. A gateway giving up passes itself as holder: while another
 -- gateway still waits for the request (a retry joined it there) it only stops waiting.
 local function cancel(key, reason, tenant, attempt, holder)
-  local owner = redis.call('GET', K.owner .. key)
+  local owner = get_owner(key)
   if not owner then return 0 end
-  local gateways, waiting, who, att, fingerprint = owner_parts(owner)
+  local gateways, waiting, who, att, fingerprint, message = owner_parts(owner)
   if tenant ~= '' and tenant ~= who then return 0 end
   if attempt ~= '' and attempt ~= att then return 0 end
   if holder and holder ~= '' then
@@ -168,7 +222,8 @@ local function cancel(key, reason, tenant, attempt, holder)
       for gateway in string.gmatch(gateways, '[^,]+') do
         if gateway ~= holder then rest[#rest + 1] = gateway end
       end
-      redis.call('SET', K.owner .. key, pack_owner(table.concat(rest, ','), waiting, who, att, fingerprint), 'KEEPTTL')
+      local kept = pack_owner(table.concat(rest, ','), waiting, who, att, fingerprint, message)
+      redis.call('SET', K.owner .. key, kept, 'KEEPTTL')
       return 0
     end
   end
@@ -201,19 +256,19 @@ local function sweep(holder, min_ms)
   local requeued, expired = 0, 0
   for i = 1, #held, 2 do
     local id = held[i]
-    local deadline, queue, waiting, key, message = held_parts(held[i + 1])
-    local owner = redis.call('GET', K.owner .. key)
+    local deadline, queue, waiting, key, recorded = held_parts(held[i + 1])
+    local owner = get_owner(key)
     if owner then
-      local _, _, who, att = owner_parts(owner)
+      local _, _, who, att, _, message = owner_parts(owner)
+      if message == '' then message = recorded end
       local claim = redis.call('GET', K.claim .. id)
       if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
         -- answered or retried under another attempt, or running on a live replica
-      elseif deadline - now >= min_ms and redis.call('INCR', K.requeued .. id) <= C.max_requeues then
+      elseif message ~= '' and deadline - now >= min_ms and redis.call('INCR', K.requeued .. id) <= C.max_requeues then
         redis.call('PEXPIRE', K.requeued .. id, deadline - now + 1000)
         redis.call('DEL', K.claim .. id)
         redis.call('RPUSH', queue, message)  -- the consumer pops from the right: the front
-        redis.call('ZADD', waiting, deadline, id)
-        redis.call('ZADD', tenant_set(waiting, who), deadline, id)
+        back_in_line(waiting, who, deadline, id, deadline - now)
         requeued = requeued + 1
       else
         expired = expired + cancel(key, 'expired', '', id, '')
@@ -261,7 +316,8 @@ return {swept, requeued, expired, tonumber(redis.call('GET', K.deaths) or '0')}
 # request received before the oldest message left in its list was popped already;
 # for the others the list is read once per call (its messages' ids), which costs a
 # scan of the queue, after a death only.
-# ARGV: min ms, then per request the fields of `RescueOffer`. Returns how many were pushed back.
+# ARGV: min ms, then per request the fields of `RescueOffer`; the message is the owner's.
+# Returns how many were pushed back.
 RESCUE_LUA = (
     LUA_LIB
     + """
@@ -288,14 +344,14 @@ local function in_queue(queue)  -- the attempts whose messages are in the list, 
   return ids[queue]
 end
 local rescued = 0
-for i = 2, #ARGV, 7 do
+for i = 2, #ARGV, 6 do
   local att, key, queue, waiting = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local deadline, received, message = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5]), ARGV[i + 6]
-  local owner = redis.call('GET', K.owner .. key)
-  local live, who = false, ''
+  local deadline, received = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5])
+  local owner = get_owner(key)
+  local live, who, message = false, '', ''
   if owner then
-    local _, _, tenant, owner_att = owner_parts(owner)
-    live, who = owner_att == att and redis.call('EXISTS', K.claim .. att) == 0, tenant
+    local _, _, tenant, owner_att, _, kept = owner_parts(owner)
+    live, who, message = owner_att == att and kept ~= '' and redis.call('EXISTS', K.claim .. att) == 0, tenant, kept
   end
   if live then
     for _, holder in ipairs(holders) do
@@ -308,8 +364,7 @@ for i = 2, #ARGV, 7 do
     if not queued and deadline - now >= min_ms and redis.call('INCR', K.requeued .. att) <= C.max_requeues then
       redis.call('PEXPIRE', K.requeued .. att, deadline - now + 1000)
       redis.call('RPUSH', queue, message)
-      redis.call('ZADD', waiting, deadline, att)
-      redis.call('ZADD', tenant_set(waiting, who), deadline, att)
+      back_in_line(waiting, who, deadline, att, deadline - now)
       rescued = rescued + 1
     end
   end
@@ -320,23 +375,27 @@ return rescued
 
 # ARGV: replica, then per request: attempt, request key, held record. Records only the
 # requests still in flight under that attempt: one answered or dropped meanwhile (its
-# owner gone) must not come back into the held hash.
+# owner gone) must not come back into the held hash. One MGET reads every owner and one
+# HSET writes every record, whatever the number of requests.
 RECORD_LUA = (
     LUA_LIB
     + """
-local held = K.held .. ARGV[1]
-local n = 0
-for i = 2, #ARGV, 3 do
-  local owner = redis.call('GET', K.owner .. ARGV[i + 1])
+local names = {}
+for i = 2, #ARGV, 3 do names[#names + 1] = K.owner .. ARGV[i + 1] end
+local owners, fields = mget(names), {}
+for j = 1, #names do
+  local i = 2 + (j - 1) * 3
+  local owner = owner_of(owners[j])
   if owner then
     local _, _, _, att = owner_parts(owner)
     if att == ARGV[i] then
-      redis.call('HSET', held, ARGV[i], ARGV[i + 2])
-      n = n + 1
+      fields[#fields + 1] = ARGV[i]
+      fields[#fields + 1] = ARGV[i + 2]
     end
   end
 end
-return n
+if #fields > 0 then call_many('HSET', K.held .. ARGV[1], fields) end
+return #fields / 2
 """
 )
 
@@ -347,8 +406,10 @@ CLAIM_LUA = (
 local me, out = ARGV[1], {}
 for i = 3, #ARGV do
   local key = K.claim .. ARGV[i]
-  local holder = redis.call('GET', key)
-  if not holder or holder == me or not lease_alive(holder) then
+  local holder = redis.call('SET', key, me, 'NX', 'GET', 'PX', ARGV[2])  -- nothing held it: claimed
+  if not holder then
+    out[#out + 1] = 1
+  elseif holder == me or not lease_alive(holder) then
     redis.call('SET', key, me, 'PX', ARGV[2])
     out[#out + 1] = 1
   else
@@ -369,18 +430,23 @@ DELIVER_LUA = (
 local holder = ARGV[1]
 local out, order = {}, {}
 local delivered, wasted = 0, 0
-for i = 2, #ARGV, 6 do
+local names = {}
+for i = 2, #ARGV, 6 do names[#names + 1] = K.owner .. ARGV[i] end
+local owners, answered, ids = mget(names), {}, {}
+for j = 1, #names do
+  local i = 2 + (j - 1) * 6
   local key, att, keep, kind, item, fallback = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]),
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   local gateway = nil
-  local owner = redis.call('GET', K.owner .. key)
-  if owner then
+  local owner = owner_of(owners[j])
+  if owner and not answered[key] then  -- the first item for a request takes its owner
     local gateways, _, _, owner_att, fingerprint = owner_parts(owner)
     if owner_att == att then
       gateway = gateways
-      redis.call('DEL', K.owner .. key)
-      if keep > 0 and kind == 'result' then
-        redis.call('SET', K.done .. key, pack_done(fingerprint, item), 'PX', keep)
+      answered[key] = 'gone'
+      if keep > 0 and kind == 'result' then  -- the answer takes the owner's place
+        redis.call('SET', K.owner .. key, ANSWERED .. pack_done(fingerprint, item), 'PX', keep)
+        answered[key] = 'kept'
       end
       delivered = delivered + 1
     end
@@ -391,8 +457,14 @@ for i = 2, #ARGV, 6 do
     wasted = wasted + 1
   end
   if gateway then collect(out, order, gateway, item) end
-  redis.call('HDEL', K.held .. holder, att)
+  ids[#ids + 1] = att
 end
+local gone = {}
+for key, how in pairs(answered) do
+  if how == 'gone' then gone[#gone + 1] = K.owner .. key end
+end
+for from = 1, #gone, 500 do redis.call('DEL', unpack(gone, from, math.min(from + 499, #gone))) end
+if #ids > 0 then call_many('HDEL', K.held .. holder, ids) end
 notify_all(out, order)
 if wasted > 0 then redis.call('INCRBY', K.wasted, wasted) end
 return {delivered, wasted}
@@ -408,7 +480,7 @@ STREAM_LUA = (
 local out, order = {}, {}
 for i = 1, #ARGV, 3 do
   local key, att, item = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local owner = redis.call('GET', K.owner .. key)
+  local owner = get_owner(key)
   if owner then
     local gateway, _, _, owner_att = owner_parts(owner)
     if owner_att == att then collect(out, order, gateway, item) end
@@ -425,16 +497,17 @@ CANCEL_LUA = LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5
 
 # The admission, its first part: a stored answer, or a retry joining the attempt in flight.
 _ADMIT_JOIN = """
-local _, _, _, _, fingerprint = owner_parts(ARGV[1])
-if ARGV[9] ~= '' then
-  local done = redis.call('GET', ARGV[9])
-  if done then
-    local stored, answer = done_parts(done)
+local fingerprint = ARGV[1]
+local current = redis.call('GET', KEYS[1])
+if current and not owner_of(current) then
+  -- Answered within the idempotency window: its answer, to a request that keeps one.
+  if ARGV[9] ~= '' then
+    local stored, answer = done_parts(current:sub(#ANSWERED + 1))
     if stored ~= fingerprint then return {4, 0, 0, ''} end
     return {2, 0, 0, answer}
   end
+  current = nil  -- this one keeps none: admitted anew, in its place
 end
-local current = redis.call('GET', KEYS[1])
 if current and redis.call('PTTL', KEYS[1]) <= C.owner_slack_ms then
   -- Its deadline has passed (the owner outlives it by the slack): nobody is answered by
   -- that attempt any more; drop it and admit the retry as a new one.
@@ -445,38 +518,42 @@ if current and redis.call('PTTL', KEYS[1]) <= C.owner_slack_ms then
 end
 if current then
   -- A retry joins the attempt in flight; its answer comes here too.
-  local gateways, waiting, tenant, attempt, held = owner_parts(current)
+  local gateways, waiting, tenant, attempt, held, message = owner_parts(current)
   if held ~= fingerprint then return {4, 0, 0, ''} end
   if not has_gateway(gateways, ARGV[10]) then
-    redis.call('SET', KEYS[1], pack_owner(gateways .. ',' .. ARGV[10], waiting, tenant, attempt, held), 'KEEPTTL')
+    local joined = pack_owner(gateways .. ',' .. ARGV[10], waiting, tenant, attempt, held, message)
+    redis.call('SET', KEYS[1], joined, 'KEEPTTL')
   end
   return {3, 0, 0, attempt}
 end
 """
 
 # The admission proper, after the joins (control/policy/admission.py's `decide`, and the token
-# bucket of `take_token`). Without the tenant's arguments (ARGV[13] on) only the tier's
+# bucket of `take_token`). Without the tenant's arguments (ARGV[12] on) only the tier's
 # position counts.
 _ADMIT_DECIDE = """
 local now = tonumber(ARGV[7])
-local tenanted = ARGV[13] ~= nil
-local lists = {KEYS[2], KEYS[3]}
-if tenanted then lists = {KEYS[2], ARGV[13], KEYS[3], ARGV[14]} end
-local d = {}
-for i, key in ipairs(lists) do
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  d[i] = redis.call('ZCARD', key)
+local tenanted = ARGV[12] ~= nil
+local is_free = ARGV[5] == 'free'
+-- What waits is what has not expired: counted without trimming (the replicas trim their
+-- model's sets with their heartbeat; a request leaving takes its entries out). Only the
+-- lists ahead of this request are counted; -1 answers one not counted.
+local live = '(' .. ARGV[7]
+local function count(key) return redis.call('ZCOUNT', key, live, '+inf') end
+local paid, paid_behind, free, free_behind = count(KEYS[2]), 0, -1, 0
+if tenanted then paid_behind, free_behind = -1, -1 end
+if is_free then
+  free = count(KEYS[3])
+  if tenanted then paid_behind = count(ARGV[12]) end
 end
-local paid, paid_behind, free, free_behind = d[1], 0, d[2], 0
-if tenanted then paid, paid_behind, free, free_behind = d[1], d[2], d[3], d[4] end
-local own, own_behind = KEYS[2], ARGV[13]
-if ARGV[5] == 'free' then own, own_behind = KEYS[3], ARGV[14] end
+local own, own_behind = KEYS[2], ARGV[12]
+if is_free then own, own_behind = KEYS[3], ARGV[13] end
 local behind, queued, tokens, rate = false, 0, 0, 0
 if tenanted then
-  rate = tonumber(ARGV[22])
+  rate = tonumber(ARGV[20])
   if rate > 0 then
-    tokens = tonumber(ARGV[23])
-    local bucket = redis.call('HMGET', ARGV[17], 't', 'at')
+    tokens = tonumber(ARGV[21])
+    local bucket = redis.call('HMGET', ARGV[16], 't', 'at')
     if bucket[1] then
       tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
     end
@@ -484,13 +561,15 @@ if tenanted then
       return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
     end
   end
-  local mine, fair = ARGV[16], tonumber(ARGV[20])
-  redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
-  queued = redis.call('ZCARD', mine)
+  local mine, fair = ARGV[15], tonumber(ARGV[18])
+  queued = redis.call('ZCOUNT', mine, live, '+inf')
   if queued >= fair then
     -- Entries of requests that left without being removed here (a path that missed
-    -- it) must not hold the share: the oldest are checked against the waiting sets.
-    for _, id in ipairs(redis.call('ZRANGE', mine, 0, tonumber(ARGV[24]) - 1)) do
+    -- it) must not hold the share: those past their deadline go (they are not counted,
+    -- but the share is where a flood's garbage would pile up), and the oldest others are
+    -- checked against the waiting sets.
+    redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
+    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[22]))) do
       if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
         redis.call('ZREM', mine, id)
         queued = queued - 1
@@ -498,30 +577,42 @@ if tenanted then
     end
   end
   behind = queued >= fair
+  if behind and is_free then free_behind = count(ARGV[13]) end
+  if behind and not is_free then paid_behind = count(ARGV[12]) end
 end
 local position = paid + 1
-if ARGV[5] == 'free' then position = position + paid_behind + free end
-if behind then position = position + (ARGV[5] == 'free' and free_behind or paid_behind) end
-if behind and position > tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if is_free then position = position + paid_behind + free end
+if behind then position = position + (is_free and free_behind or paid_behind) end
+if behind and position > tonumber(ARGV[17]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
-if tenanted and queued >= tonumber(ARGV[21]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if tenanted and queued >= tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+-- The owner, made here from the request's parts; it keeps the message as pushed, which
+-- is what a sweep or a rescue pushes again.
+local function admitted(waiting, message)
+  return pack_owner(ARGV[10], waiting, tenant_of(ARGV[11]), ARGV[4], fingerprint, message)
+end
 if behind then
   local step = ARGV[5] == 'free' and C.free_priority or C.paid_priority
-  redis.call('SET', KEYS[1], ARGV[18], 'PX', ARGV[2])
+  local message = envelope_behind(ARGV[8], step, C.behind_step)
+  redis.call('SET', KEYS[1], admitted(own .. K.behind, message), 'PX', ARGV[2])
   redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
-  redis.call('LPUSH', ARGV[15], envelope_behind(ARGV[8], step, C.behind_step))
+  redis.call('LPUSH', ARGV[14], message)
 else
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[1], admitted(own, ARGV[8]), 'PX', ARGV[2])
   redis.call('ZADD', own, ARGV[3], ARGV[4])
   redis.call('LPUSH', KEYS[4], ARGV[8])
 end
 if tenanted then
-  redis.call('ZADD', ARGV[16], ARGV[3], ARGV[4])
-  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'GT')
-  redis.call('PEXPIRE', ARGV[16], ARGV[2], 'NX')
+  redis.call('ZADD', ARGV[15], ARGV[3], ARGV[4])
+  -- Its TTL outlives the latest deadline in it: this one's, when nothing else waits there.
+  if queued == 0 then
+    redis.call('PEXPIRE', ARGV[15], ARGV[2])
+  else
+    redis.call('PEXPIRE', ARGV[15], ARGV[2], 'GT')
+  end
   if rate > 0 then
-    redis.call('HSET', ARGV[17], 't', tokens - 1, 'at', now)
-    redis.call('PEXPIRE', ARGV[17], math.ceil(tonumber(ARGV[23]) * 1000 / rate) + 1000)
+    redis.call('HSET', ARGV[16], 't', tokens - 1, 'at', now)
+    redis.call('PEXPIRE', ARGV[16], math.ceil(tonumber(ARGV[21]) * 1000 / rate) + 1000)
   end
 end
 if KEYS[5] then
@@ -530,28 +621,17 @@ if KEYS[5] then
 end
 """
 
-# The traffic counters of an admitted request (control/broker/traffic.py): ARGV[7] is the
-# broker's now in ms, ARGV[12] the field it counts in (a caller without it counts nothing).
-ARRIVAL_LUA = """
-if ARGV[12] then
-  local traffic = K.traffic .. math.floor(tonumber(ARGV[7]) / 1000)
-  redis.call('HINCRBY', traffic, ARGV[12], 1)
-  redis.call('EXPIRE', traffic, C.traffic_keep_s)
-end
-"""
-
 # KEYS: owner, waiting paid, waiting free, queue list, [session]; ARGV: `Admit.__call__`'s
-# parameters in its order, then `TenantTerms`' (ARGV[13] on). Returns {status, paid
+# parameters in its order, then `TenantTerms`' (ARGV[12] on). Returns {status, paid
 # waiting, free waiting, [paid behind, free behind,] extra}: the status an `Admission`.
 ADMIT_LUA = (
     # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole
-    # script (OOM, answered 503). Unflagged, only its first write is checked, and that
-    # one (ZREMRANGEBYSCORE) is allowed at the limit, so the rest would write past it.
+    # script (OOM, answered 503). Unflagged, only its first write is checked, and one
+    # that removes is allowed at the limit, so the rest would write past it.
     "#!lua\n"
     + LUA_LIB
     + _ADMIT_JOIN
     + _ADMIT_DECIDE
-    + ARRIVAL_LUA
     + "return {1, paid, free, paid_behind, free_behind, behind and '1' or ''}\n"
 )
 

@@ -1,12 +1,19 @@
 """The records that cross processes through the broker, each with its one pack and parse.
 
 - The *owner* record (`keys.owner_key`): which gateways wait for a request in flight,
-  "<gateways>|<waiting set>|<tenant>|<attempt>|<fingerprint>", the gateways
-  comma-separated (a retry through another gateway process joins the list).
-- The *done* record (`keys.done_key`): a finished request's answer kept for retries,
-  "<fingerprint>|<result JSON>" (a bare JSON object from before fingerprints).
+  "<gateways>|<waiting set>|<tenant>|<attempt>|<fingerprint>|<message>", the gateways
+  comma-separated (a retry through another gateway process joins the list). The gateway
+  packs the first five; the admission script adds the queue message as it pushed it,
+  which is what a sweep or a rescue pushes again (it is in the broker once more, not
+  sent again).
+- The *done* record: a finished request's answer kept for retries,
+  "<fingerprint>|<result JSON>" (a bare JSON object from before fingerprints). It takes
+  the owner record's place under the owner key, after `ANSWERED` (an owner record starts
+  with a gateway's id, never with '|'), so admission reads one key for both.
 - The *held* record (a field of `keys.held_key`): a request a replica took from its
-  queue, "<deadline ms>|<queue>|<waiting set>|<request key>|<message>".
+  queue, "<deadline ms>|<queue>|<waiting set>|<request key>": it names the request, whose
+  owner record holds the message (a record written with a message last, as before the
+  owner kept it, is still read).
 - The replica's *registry entry* (`keys.replica_key`): the hash a replica publishes.
 
 The scripts that read the first three inside the broker parse them with the Lua of
@@ -33,17 +40,21 @@ class Owner(NamedTuple):
     tenant: str
     attempt: str
     fingerprint: str  # of the body ('' when the answer is not kept)
+    message: str = ""  # the queue message, added by the admission script
 
 
-def pack_owner(gateways: str, waiting: str, tenant: str, attempt: str, fingerprint: str) -> str:
-    return f"{gateways}|{waiting}|{tenant}|{attempt}|{fingerprint}"
+def pack_owner(gateways: str, waiting: str, tenant: str, attempt: str, fingerprint: str, message: str = "") -> str:
+    """Without `message`: what the gateway sends (the admission script appends it)."""
+    head = f"{gateways}|{waiting}|{tenant}|{attempt}|{fingerprint}"
+    return f"{head}|{message}" if message else head
 
 
 def parse_owner(raw: bytes | str) -> Owner:
     text = raw.decode() if isinstance(raw, bytes) else raw
     gateways, waiting, tenant, rest = text.split("|", 3)
-    attempt, _, fingerprint = rest.partition("|")
-    return Owner(gateways, waiting, tenant, attempt, fingerprint)
+    attempt, _, rest = rest.partition("|")
+    fingerprint, _, message = rest.partition("|")
+    return Owner(gateways, waiting, tenant, attempt, fingerprint, message)
 
 
 # -- done -------------------------------------------------------------------------------
@@ -52,6 +63,9 @@ def parse_owner(raw: bytes | str) -> Owner:
 class Done(NamedTuple):
     fingerprint: str
     result: str  # the Result's JSON
+
+
+ANSWERED = "|"  # first in a value under an owner key that holds a done record
 
 
 def pack_done(fingerprint: str, result: str) -> str:
@@ -74,16 +88,17 @@ class Held(NamedTuple):
     queue: str
     waiting: str
     key: str  # the request's tenant-scoped key
-    message: str  # the queue message, as it was popped (a re-queue pushes it again)
+    message: str = ""  # only in a record written before the owner kept the message
 
 
-def pack_held(deadline_ms: float, queue: str, waiting: str, key: str, message: str) -> str:
-    return f"{deadline_ms:.0f}|{queue}|{waiting}|{key}|{message}"
+def pack_held(deadline_ms: float, queue: str, waiting: str, key: str) -> str:
+    return f"{deadline_ms:.0f}|{queue}|{waiting}|{key}"
 
 
 def parse_held(raw: bytes | str) -> Held:
     text = raw.decode() if isinstance(raw, bytes) else raw
-    deadline, queue, waiting, key, message = text.split("|", 4)
+    deadline, queue, waiting, rest = text.split("|", 3)
+    key, _, message = rest.partition("|")
     return Held(float(deadline), queue, waiting, key, message)
 
 

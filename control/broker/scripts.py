@@ -101,6 +101,8 @@ _ADMISSION = {status.value: status for status in Admission}
 class AdmitAnswer(NamedTuple):
     status: Admission
     paid: int  # requests waiting in line, paid and free, and behind other tenants' ones
+    # (-1: a list not counted, as it is not ahead of this request: the free ones for a paid
+    # request, a tier's list behind for one in line)
     free: int
     paid_behind: int
     free_behind: int
@@ -116,7 +118,6 @@ class TenantTerms(NamedTuple):
     queue_behind: str
     tenant_waiting: str
     bucket: str
-    owner_behind: str  # the owner record, should the request queue behind
     deepest_behind: int  # the deepest position a request behind may take
     fair_depth: int
     max_queued: int
@@ -140,7 +141,7 @@ class Admit:
         waiting_free: str,
         queue: str,
         session: str | None,
-        owner: str,
+        fingerprint: str,  # of the body, for retries ('' when the answer is not kept)
         ttl_ms: int,
         deadline_ms: float,
         attempt: str,
@@ -148,18 +149,17 @@ class Admit:
         deepest: int,
         now_ms: float,
         message: str,
-        done_key: str,  # '' when the answer is not kept
+        keeps_answer: bool,  # its answer is kept for retries (under its owner key)
         gateway: str,
         request_key: str,
-        arrival_field: str,  # the traffic field the arrival counts in
         tenant: TenantTerms | None,
     ) -> AdmitAnswer:
         names = [owner_key, waiting_paid, waiting_free, queue, session] if session else [
             owner_key, waiting_paid, waiting_free, queue
         ]  # fmt: skip
         args: list[EncodableT] = [
-            owner, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, done_key, gateway, request_key,
-            arrival_field,
+            fingerprint, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, "1" if keeps_answer else "",
+            gateway, request_key,
         ]  # fmt: skip
         if tenant is not None:
             args += tenant
@@ -219,8 +219,7 @@ class RescueOffer(NamedTuple):
     queue: str
     waiting: str
     deadline_ms: float
-    received_ms: float
-    message: str  # the task message the gateway pushed (pushed again if rescued)
+    received_ms: float  # (the message pushed again is the one its owner record keeps)
 
 
 class Rescue(_Registered):
@@ -279,7 +278,7 @@ class Delivery(NamedTuple):
     keep_ms: int  # how long a result is kept for retries (0: not kept)
     kind: str  # the item's `kind`
     item: str  # its JSON
-    fallback_gateway: str  # the gateway that admitted it (gets a drop notice with no owner)
+    fallback_gateway: str  # the gateway that admitted it, for a drop notice with no owner ('' for other kinds)
 
 
 class Delivered(NamedTuple):

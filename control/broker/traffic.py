@@ -1,10 +1,11 @@
 """The deployment's traffic, in Redis: arrivals, completions and end-to-end latency per
 model and tier, in one small hash per second that expires after `KEEP_S`.
 
-Gateways count an admitted request inside the admission script (no extra round trip:
-`ARRIVAL_LUA` of control/broker/scripts.py); replicas count what they answer in the pipeline that delivers a batch
-(`record_done`). Any process reads the last seconds with `read_traffic`: one round trip
-for the buckets, queue depths and the oldest queued message of every model and tier.
+Gateways count the requests they admit in memory and add them every 100 ms, with their
+sweep (`record_arrivals`: a few commands a gateway process, not one per request);
+replicas count what they answer in the pipeline that delivers a batch (`record_done`).
+Any process reads the last seconds with `read_traffic`: one round trip for the buckets,
+queue depths and the oldest queued message of every model and tier.
 Latency is kept as a histogram (`LATENCY_BOUNDS_MS`), so a percentile is the upper bound
 of the bucket it falls in.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import get_args
 
@@ -34,6 +35,19 @@ def arrival_field(model: str, tier: str) -> str:
 
 def _bucket(e2e_ms: float) -> int:
     return min(bisect.bisect_left(LATENCY_BOUNDS_MS, e2e_ms), len(LATENCY_BOUNDS_MS) - 1)
+
+
+def record_arrivals(client: redis.Redis, counts: Mapping[str, int], now_ms: float) -> None:
+    """Add a gateway's admissions since its last call (`arrival_field` -> how many) to the
+    second of `now_ms` (the broker's clock): one round trip."""
+    if not counts:
+        return
+    key = keys.traffic_key(int(now_ms // 1000))
+    pipe = client.pipeline(transaction=False)
+    for field, n in counts.items():
+        pipe.hincrby(key, field, n)
+    pipe.expire(key, KEEP_S)
+    pipe.execute()
 
 
 def record_done(pipe: redis.client.Pipeline, model: str, done: Iterable[tuple[str, float]], now_ms: float) -> None:

@@ -38,7 +38,7 @@ class ReplicaBroker:
     def __init__(self, client: redis.Redis, name: str, envelope: Callable[[p.Job], str]) -> None:
         self.redis = client
         self.name = name
-        self.envelope = envelope  # the queue message of a job: what a sweep re-queues
+        self.envelope = envelope  # the queue message of a job: what a hand-back pushes
         self._claim = scripts.Claim(client)
         self._record_held = scripts.Record(client)
         self._deliver = scripts.Deliver(client)
@@ -82,10 +82,11 @@ class ReplicaBroker:
         except redis.RedisError:
             log.warning("could not record %d requests as held", len(jobs))
 
-    def _held_record(self, job: p.Job, message: str | None = None) -> str:
+    def _held_record(self, job: p.Job) -> str:
+        """Names the request; a sweep finds its message in the owner record."""
         queue = keys.queue_key(job.model, job.tier, job.behind)
         waiting = keys.waiting_key(job.model, job.tier, job.behind)
-        return records.pack_held(job.deadline_ms, queue, waiting, job.key, message or self.envelope(job))
+        return records.pack_held(job.deadline_ms, queue, waiting, job.key)
 
     def forget_held(self, ids: list[str]) -> None:
         """Held entries of requests another replica runs; a stale one is swept harmlessly."""
@@ -154,7 +155,7 @@ class ReplicaBroker:
         the idle list, into the launch list. Returns (claimed, a peer is idle, the peers'
         launches) for a claim, else None."""
         pipe = self.redis.pipeline(transaction=False)
-        late: dict[FieldT, EncodableT] = {job.id: self._held_record(job, msg) for job, msg in launched if msg}
+        late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
             pipe.hset(keys.held_key(self.name), mapping=late)
         self._leave_waiting(pipe, model, [job for job, _msg in launched] + [job for job, _reason in dropped])
@@ -225,7 +226,7 @@ class ReplicaBroker:
         if not jobs:
             return
         deliveries = [
-            scripts.Delivery(job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), job.gateway)
+            scripts.Delivery(job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), _fallback(item, job))
             for item, job in zip(items, jobs, strict=True)
         ]
         self._deliver(self.name, deliveries, pipe=pipe)
@@ -261,9 +262,15 @@ class ReplicaBroker:
     # -- registry, moves ---------------------------------------------------------------
 
     def publish(self, fields: Fields, ttl_s: float, idle: tuple[str, float, bool] | None = None) -> None:
-        """The registry entry (with `idle`, (model, until ms, refresh only): the idle list)."""
+        """The registry entry (with `idle`, (model, until ms, refresh only): the idle list).
+        The entry's model's waiting sets lose their entries past deadline (`seen_ms`, the
+        broker's now): admission counts past them without taking them out."""
         key = keys.replica_key(self.name)
         pipe = self.redis.pipeline(transaction=False)
+        model, now_ms = str(fields["model"]), fields["seen_ms"]
+        for tier in (PAID, FREE):
+            for behind in (False, True):
+                pipe.zremrangebyscore(keys.waiting_key(model, tier, behind), "-inf", now_ms)
         # redis-py types the mapping's keys invariantly as FieldT, which refuses a dict[str, ...].
         pipe.hset(key, mapping=cast("dict[FieldT, EncodableT]", fields))
         pipe.pexpire(key, int(ttl_s * 1000))
@@ -278,3 +285,8 @@ class ReplicaBroker:
         pipe.zrem(keys.idle_key(old), self.name)
         pipe.set(keys.assignment_key(self.name), new)
         pipe.execute()
+
+
+def _fallback(item: Reply, job: p.Job) -> str:
+    """Only a drop notice goes to the admitting gateway when its request has no owner."""
+    return job.gateway if item.kind == "dropped" else ""

@@ -128,20 +128,18 @@ def _admit(
     if session:
         names.append(keys.session_key(session))
     tenant = p.tenant_of(key)
-    owner = f"{gateway}|{waiting}|{tenant}|{attempt}"
-    done = keys.done_key(key) if keep_ms else ""
+    done = "1" if keep_ms else ""  # the answer is kept
     message = f'{{"properties":{{"priority":0}},"body":"MSG-{attempt}"}}'
-    args: list = [owner, 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key, "kb-small|paid|in"]
-    behind_owner = f"{gateway}|{keys.waiting_key(MODEL, 'paid', behind=True)}|{tenant}|{attempt}"
+    args: list = ["", 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key]
     args += [keys.waiting_key(MODEL, "paid", behind=True), keys.waiting_key(MODEL, "free", behind=True)]
     args += [keys.queue_key(MODEL, "paid", behind=True), keys.tenant_waiting_key(MODEL, "paid", tenant)]
-    args += [keys.bucket_key("paid", tenant), behind_owner, 100, fair, 100, 100.0, 100.0, 8]
+    args += [keys.bucket_key("paid", tenant), 100, fair, 100, 100.0, 100.0, 8]
     return s.admit(keys=names, args=args)  # type: ignore[no-any-return]
 
 
 def _held_record(attempt: str, key: str, deadline_ms: float) -> str:
-    """deadline|queue|waiting set|request key|message, as the replica writes it."""
-    return f"{deadline_ms:.0f}|{keys.queue_key(MODEL, 'paid')}|{keys.waiting_key(MODEL, 'paid')}|{key}|MSG-{attempt}"
+    """deadline|queue|waiting set|request key, as the replica writes it (the owner keeps the message)."""
+    return f"{deadline_ms:.0f}|{keys.queue_key(MODEL, 'paid')}|{keys.waiting_key(MODEL, 'paid')}|{key}"
 
 
 def _result(attempt: str) -> str:
@@ -241,10 +239,11 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
         keys.waiting_key(MODEL, "paid"),
         now + 60_000,
         now,
-        "MSG-att-f",
     ]
     assert s.rescue(keys=[keys.HOLDERS_KEY], args=[265, *offer]) == 1
-    assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-att-f"]
+    assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [
+        b'{"properties":{"priority":0},"body":"MSG-att-f"}'
+    ]  # the message its owner record kept
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

@@ -13,10 +13,8 @@ from control.broker.lua import LUA_LIB
 from control.core.lifecycle import ReplicaState
 from control.fleet.valkey import EmbeddedBroker
 
-OWNER = records.Owner("gw-a,gw-b", "{kb}:waiting:kb-small:free", "acme", "att-1", "f00d")
-HELD = records.Held(
-    1_700_000_000_123.0, "{kb}.kb-small:6", "{kb}:waiting:kb-small:free:behind", "acme:r1", '{"a":"b|c"}'
-)
+OWNER = records.Owner("gw-a,gw-b", "{kb}:waiting:kb-small:free", "acme", "att-1", "f00d", '{"a":"b|c"}')
+HELD = records.Held(1_700_000_000_123.0, "{kb}.kb-small:6", "{kb}:waiting:kb-small:free:behind", "acme:r1")
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +36,18 @@ def test_an_owner_record_without_a_fingerprint_field_parses_as_one_without_a_fin
     assert records.parse_owner("gw|w|t|att") == records.Owner("gw", "w", "t", "att", "")
 
 
+def test_the_gateway_packs_an_owner_without_the_message_and_lua_reads_it_so(state: redis.Redis) -> None:
+    head = records.pack_owner(*OWNER[:5])  # the admission script adds the message
+    assert records.parse_owner(head) == OWNER._replace(message="")
+    assert records.parse_owner(f"{head}|{OWNER.message}") == OWNER
+    parts = _lua(state, "return {owner_parts(ARGV[1])}", head)
+    assert records.Owner(*(p.decode() for p in parts)) == OWNER._replace(message="")
+
+
 def test_lua_reads_the_owner_python_packs_and_packs_what_python_reads(state: redis.Redis) -> None:
     parts = _lua(state, "return {owner_parts(ARGV[1])}", records.pack_owner(*OWNER))
     assert records.Owner(*(p.decode() for p in parts)) == OWNER
-    packed = _lua(state, "return pack_owner(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])", *OWNER)
+    packed = _lua(state, "return pack_owner(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])", *OWNER)
     assert records.parse_owner(packed) == OWNER
 
 
@@ -55,10 +61,17 @@ def test_a_done_record_round_trips_with_or_without_a_fingerprint(state: redis.Re
 
 
 def test_a_held_record_round_trips_and_lua_reads_it(state: redis.Redis) -> None:
-    packed = records.pack_held(*HELD)
+    packed = records.pack_held(*HELD[:4])
     assert records.parse_held(packed) == HELD
     deadline, *rest = _lua(state, "return {held_parts(ARGV[1])}", packed)
     assert records.Held(float(deadline), *(p.decode() for p in rest)) == HELD
+
+
+def test_a_held_record_written_with_its_message_still_reads(state: redis.Redis) -> None:
+    old = f'{records.pack_held(*HELD[:4])}|{{"a":"b|c"}}'  # as a replica wrote it before the owner kept it
+    assert records.parse_held(old) == HELD._replace(message='{"a":"b|c"}')
+    deadline, *rest = _lua(state, "return {held_parts(ARGV[1])}", old)
+    assert records.Held(float(deadline), *(p.decode() for p in rest)) == HELD._replace(message='{"a":"b|c"}')
 
 
 def test_a_registry_entry_reads_back_as_the_replica_wrote_it(state: redis.Redis) -> None:

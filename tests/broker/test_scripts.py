@@ -24,8 +24,7 @@ def state() -> Iterator[redis.Redis]:
 
 def _admit(state: redis.Redis, key: str, attempt: str, gateway: str) -> list:
     names = [keys.owner_key(key), keys.waiting_key(MODEL, "paid"), WAITING, keys.queue_key(MODEL, "free")]
-    owner = f"{gateway}|{WAITING}|t|{attempt}"
-    args = [owner, 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway, key]
+    args = ["", 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway, key]
     return state.register_script(ADMIT_LUA)(keys=names, args=args)  # type: ignore[no-any-return]
 
 
@@ -35,9 +34,10 @@ def test_a_gateway_giving_up_cannot_cancel_what_a_retry_elsewhere_took_over(stat
     status, *_counts, joined = _admit(state, "t:give-up", "a2", "gw-b")  # the retry, on another gateway
     assert (status, joined) == (3, b"a1")
     # gw-a's client hung up while the retry waits on gw-b: gw-a only stops waiting (the
-    # owner keeps gw-b, with the empty fingerprint of a request without a client's id).
+    # owner keeps gw-b, with the empty fingerprint of a request without a client's id, and
+    # the message admission pushed).
     assert cancel(args=["t:give-up", "gone", "", "a1", "gw-a"]) == 0
-    assert state.get(keys.owner_key("t:give-up")) == f"gw-b|{WAITING}|t|a1|".encode()
+    assert state.get(keys.owner_key("t:give-up")) == f"gw-b|{WAITING}|t|a1||MESSAGE".encode()
     assert cancel(args=["t:give-up", "gone", "", "a1", "gw-b"]) == 1
 
 

@@ -39,7 +39,6 @@ def _tenant(key: str, attempt: str, gateway: str, *, fair: int = 100, rate: floa
         queue_behind=keys.queue_key(MODEL, "paid", behind=True),
         tenant_waiting=keys.tenant_waiting_key(MODEL, "paid", tenant),
         bucket=keys.bucket_key("paid", tenant),
-        owner_behind=records.pack_owner(gateway, keys.waiting_key(MODEL, "paid", behind=True), tenant, attempt, ""),
         deepest_behind=100,
         fair_depth=fair,
         max_queued=100,
@@ -66,7 +65,7 @@ def _admit(
         waiting_free=keys.waiting_key(MODEL, "free"),
         queue=keys.queue_key(MODEL, "paid"),
         session=None,
-        owner=records.pack_owner(gateway, waiting, key.partition(":")[0], attempt, fingerprint),
+        fingerprint=fingerprint,
         ttl_ms=60_000,
         deadline_ms=FAR_MS,
         attempt=attempt,
@@ -74,10 +73,9 @@ def _admit(
         deepest=deepest,
         now_ms=NOW_MS,
         message=f'{{"properties":{{"priority":0,"correlation_id":"{attempt}"}}}}',
-        done_key=keys.done_key(key) if fingerprint else "",
+        keeps_answer=bool(fingerprint),
         gateway=gateway,
         request_key=key,
-        arrival_field=f"{MODEL}|paid|in",
         tenant=tenant,
     )
 
@@ -91,10 +89,14 @@ def _result(attempt: str) -> str:
 
 def test_admission_admits_then_joins_a_retry_from_another_gateway(state: redis.Redis) -> None:
     first = _admit(state, "acme:r1", "a1", "gw-a")
-    assert first == scripts.AdmitAnswer(Admission.ADMITTED, 0, 0, 0, 0, b"")
+    assert first == scripts.AdmitAnswer(Admission.ADMITTED, 0, -1, 0, 0, b"")  # free lists: not ahead, not counted
     assert isinstance(first.status, Admission)
     assert state.llen(keys.queue_key(MODEL, "paid")) == 1
-    assert state.hget(keys.traffic_key(int(NOW_MS // 1000)), f"{MODEL}|paid|in") == b"1"
+    assert not state.exists(keys.traffic_key(int(NOW_MS // 1000)))  # the gateway counts arrivals itself
+    message = state.lindex(keys.queue_key(MODEL, "paid"), 0)
+    assert isinstance(message, bytes)
+    owner = records.parse_owner(state.get(keys.owner_key("acme:r1")))  # type: ignore[arg-type]
+    assert owner == records.Owner("gw-a", keys.waiting_key(MODEL, "paid"), "acme", "a1", "", message.decode())
     joined = _admit(state, "acme:r1", "a2", "gw-b")
     assert (joined.status, joined.extra) == (Admission.JOINED, b"a1")
     assert records.parse_owner(state.get(keys.owner_key("acme:r1"))).gateways == "gw-a,gw-b"  # type: ignore[arg-type]
@@ -103,7 +105,15 @@ def test_admission_admits_then_joins_a_retry_from_another_gateway(state: redis.R
 def test_admission_counts_the_queue_it_found_and_refuses_past_the_deepest_position(state: redis.Redis) -> None:
     assert _admit(state, "acme:r1", "a1").status == Admission.ADMITTED
     deep = _admit(state, "acme:r2", "a2", deepest=1)
-    assert (deep.status, deep.paid, deep.free) == (Admission.TOO_DEEP, 1, 0)
+    assert (deep.status, deep.paid, deep.free) == (Admission.TOO_DEEP, 1, -1)  # free is not ahead of paid
+
+
+def test_admission_counts_past_expired_entries_that_a_replica_heartbeat_trims(state: redis.Redis) -> None:
+    waiting = keys.waiting_key(MODEL, "paid")
+    state.zadd(waiting, {"gone-1": NOW_MS - 1, "gone-2": NOW_MS})  # deadlines passed: nobody waits for them
+    answer = _admit(state, "acme:r1", "a1", deepest=1)
+    assert (answer.status, answer.paid) == (Admission.ADMITTED, 0)
+    assert state.zcard(waiting) == 3  # counted past, not taken out
 
 
 def test_admission_answers_a_retry_from_the_stored_answer_or_refuses_another_body(state: redis.Redis) -> None:
@@ -113,6 +123,21 @@ def test_admission_answers_a_retry_from_the_stored_answer_or_refuses_another_bod
     answered = _admit(state, "acme:r1", "a9", fingerprint="f1")
     assert (answered.status, answered.extra) == (Admission.ANSWERED, _result("a1").encode())
     assert _admit(state, "acme:r1", "a9", fingerprint="other").status == Admission.BODY_MISMATCH
+
+
+def test_a_kept_answer_under_the_owner_key_is_no_owner_to_the_other_scripts(state: redis.Redis) -> None:
+    assert _admit(state, "acme:r1", "a1", fingerprint="f1").status == Admission.ADMITTED
+    delivery = scripts.Delivery("acme:r1", "a1", 60_000, "result", _result("a1"), "gw-a")
+    assert scripts.Deliver(state)("r1", [delivery]) == scripts.Delivered(1, 0)
+    kept = state.get(keys.owner_key("acme:r1"))
+    assert kept == f"{records.ANSWERED}{records.pack_done('f1', _result('a1'))}".encode()
+    assert 0 < state.pttl(keys.owner_key("acme:r1")) <= 60_000
+    assert scripts.Cancel(state)("acme:r1", "cancelled") is False  # answered: nothing to cancel
+    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1")
+    assert scripts.Record(state)("r1", [scripts.HeldEntry("a1", "acme:r1", held)]) == 0  # not held again
+    assert scripts.Deliver(state)("r1", [delivery]) == scripts.Delivered(0, 1)  # a second copy: waste
+    assert state.get(keys.owner_key("acme:r1")) == kept
+    assert _admit(state, "acme:r1", "a2").status == Admission.ADMITTED  # one that keeps no answer: anew
 
 
 def test_admission_refuses_a_tenant_out_of_tokens_and_one_holding_its_share(state: redis.Redis) -> None:
@@ -130,6 +155,9 @@ def test_admission_queues_a_tenant_past_its_fair_depth_behind_the_others(state: 
     assert state.lrange(keys.queue_key(MODEL, "paid", behind=True), 0, -1) == [
         b'{"properties":{"priority":3,"correlation_id":"a1"}}'
     ]
+    owner = records.parse_owner(state.get(keys.owner_key("acme:r1")))  # type: ignore[arg-type]
+    assert owner.waiting == keys.waiting_key(MODEL, "paid", behind=True)  # the script made it from the tier's
+    assert owner.message == '{"properties":{"priority":3,"correlation_id":"a1"}}'  # as pushed
 
 
 def test_cancel_takes_the_request_and_tells_its_gateway(state: redis.Redis) -> None:
@@ -144,7 +172,7 @@ def test_cancel_takes_the_request_and_tells_its_gateway(state: redis.Redis) -> N
 
 def test_a_replica_records_claims_streams_and_delivers(state: redis.Redis) -> None:
     _admit(state, "acme:r1", "a1", "gw-a")
-    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1", "M")
+    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1")
     entries = [scripts.HeldEntry("a1", "acme:r1", held), scripts.HeldEntry("gone", "acme:gone", held)]
     assert scripts.Record(state)("r1", entries) == 1
     assert state.hgetall(keys.held_key("r1")) == {b"a1": held.encode()}
@@ -170,24 +198,27 @@ def test_a_replica_records_claims_streams_and_delivers(state: redis.Redis) -> No
     assert state.hgetall(keys.held_key("r1")) == {} and state.get(keys.WASTED_KEY) == b"1"
 
 
-def _hold(state: redis.Redis, replica: str, key: str, attempt: str, deadline_ms: float) -> None:
+def _hold(state: redis.Redis, replica: str, key: str, attempt: str, deadline_ms: float) -> bytes:
+    """Admit, take and record a request as `replica`; the message it took."""
     _admit(state, key, attempt)
     queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
-    state.rpop(queue)  # the replica took it
+    message = state.rpop(queue)  # the replica took it
     state.zrem(waiting, attempt)
-    record = records.pack_held(deadline_ms, queue, waiting, key, f"MSG-{attempt}")
+    record = records.pack_held(deadline_ms, queue, waiting, key)
     scripts.Record(state)(replica, [scripts.HeldEntry(attempt, key, record)])
     state.sadd(keys.HOLDERS_KEY, replica)
+    assert isinstance(message, bytes)
+    return message
 
 
 def test_a_sweep_requeues_what_a_replica_without_a_lease_held(state: redis.Redis) -> None:
-    _hold(state, "r1", "acme:r1", "a1", FAR_MS)
+    message = _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     state.set(keys.lease_key("r1"), "1")
     assert scripts.SweepOne(state)("r1", 265) is None  # its lease is alive
     assert scripts.SweepDead(state)(265) == scripts.SweepReport(0, 0, 0, 0)
     state.delete(keys.lease_key("r1"))
     assert scripts.SweepDead(state)(265) == scripts.SweepReport(1, 1, 0, 1)
-    assert state.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [b"MSG-a1"]
+    assert state.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [message]  # the owner kept it
     assert state.get(keys.requeued_key("a1")) == b"1"
 
 
@@ -202,7 +233,7 @@ def test_rescue_pushes_back_a_request_a_dead_replica_popped_and_never_recorded(s
     _admit(state, "acme:r1", "a1")
     queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
     message = state.rpop(queue).decode()  # type: ignore[union-attr]  # popped, then the replica died
-    offer = scripts.RescueOffer("a1", "acme:r1", queue, waiting, FAR_MS, NOW_MS, message)
+    offer = scripts.RescueOffer("a1", "acme:r1", queue, waiting, FAR_MS, NOW_MS)
     rescue = scripts.Rescue(state)
     assert rescue(265, [offer]) == 1
     assert rescue(265, [offer]) == 0  # it is in its queue now
