@@ -49,13 +49,13 @@ class Loop:
         r = self.replica
         while (due := self.policy.wait()) is not None:
             self.in_hand = []
-            started = monotonic_ms()
             try:
                 r.renew_lease_if_due()
                 self.ops.check_drained()
                 r.collector.config.batch_ms = r.engine.expected_batch_ms()  # measured, where the engine can
                 self.policy.finish()
                 if due and self.policy.takes():
+                    started = monotonic_ms()  # the take's start: a policy times its lead from it
                     self.in_hand, dropped = self.take()
                     self.in_hand = self.settle(self.in_hand, dropped)
                     self.policy.run(self.in_hand, started)

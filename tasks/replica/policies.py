@@ -102,9 +102,9 @@ class StaticPolicy:
 
     def lead_ms(self) -> float:
         """How long before the engine frees the next batch is taken: twice the measured take
-        and settle, so it is staged when the engine is free."""
+        and settle (at most a tenth of a batch), so it is staged when the engine is free."""
         measured = 2 * statistics.median(self._prep_ms) if self._prep_ms else 0.0
-        return min(max(MIN_LEAD_MS, measured), self.replica.engine.expected_batch_ms() / 4)
+        return min(max(MIN_LEAD_MS, measured), self.replica.engine.expected_batch_ms() / 10)
 
     def _engine_in_ms(self) -> float | None:
         """Under the lock: how long until a batch taken now is due on the engine (0: now);
@@ -162,8 +162,9 @@ class StaticPolicy:
     def record(self, jobs: list[p.Job]) -> None:
         self.hold(jobs)
 
-    def run(self, batch: list[Pending], turn_started_ms: float) -> None:
-        """Stage the batch for the engine, which starts it the moment it is free."""
+    def run(self, batch: list[Pending], took_ms: float) -> None:
+        """Stage the batch for the engine, which starts it the moment it is free (`took_ms`:
+        when the take that brought it began)."""
         if not batch:
             return
         r = self.replica
@@ -172,7 +173,7 @@ class StaticPolicy:
         with r.cond:
             self.device.stage(batch)
         self.loop.in_hand = []  # the engine's now: `finish` answers them
-        self._prep_ms.append(monotonic_ms() - turn_started_ms)
+        self._prep_ms.append(monotonic_ms() - took_ms)
 
     def finish(self) -> None:
         """Answer the batches the engine finished (one delivery each), in order."""
