@@ -83,8 +83,8 @@ def per_request_ms(before: dict[str, float], after: dict[str, float], answered: 
     return {**spent, "total": sum(spent.values())}
 
 
-def measure(checkout: str, args: argparse.Namespace) -> dict:
-    env = {**os.environ, "PYTHONPATH": checkout}
+def measure(checkout: str, args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": checkout, **(extra_env or {})}
     deployment = Deployment(f"cpu-{Path(checkout).name}", args.workers, env, cwd=checkout)
     deployment.start()
     try:
@@ -201,11 +201,13 @@ def _line(figures: dict[str, float]) -> str:
 
 def run_path_cpu(args: argparse.Namespace) -> int:
     sides = {"this": str(THIS_CHECKOUT), "other": str(Path(args.checkout).resolve())}
+    other_env = dict(item.split("=", 1) for item in getattr(args, "other_env", None) or [])
+    envs = {"this": {}, "other": other_env}
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side, checkout in sides.items():
             started = time.monotonic()
-            run = measure(checkout, args)
+            run = measure(checkout, args, envs[side])
             runs[side].append(run)
             print(
                 f"round {round_ + 1} {side:5} ({commit_of(checkout)}): CPU ms/request "
@@ -220,11 +222,17 @@ def run_path_cpu(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "workers": args.workers,
         "command": f"keybatch bench path-cpu --checkout OTHER --rate {args.rate:g} --duration {args.duration:g} "
-        f"--rounds {args.rounds} --workers {args.workers}",
+        f"--rounds {args.rounds} --workers {args.workers}"
+        + "".join(f" --other-env {k}={v}" for k, v in other_env.items()),
     }
     medians = {side: side_medians(runs[side]) for side in sides}
     for side, checkout in sides.items():
-        report[side] = {"commit": commit_of(checkout), "cpu_ms_per_request_median": medians[side], "runs": runs[side]}
+        report[side] = {
+            "commit": commit_of(checkout),
+            "env": envs[side],
+            "cpu_ms_per_request_median": medians[side],
+            "runs": runs[side],
+        }
     ratio = ratios(medians["this"], medians["other"])
     report["ratio_this_over_other"] = ratio
     for side in sides:

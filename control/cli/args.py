@@ -235,6 +235,13 @@ def add_path_cpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write all figures here")
     p.add_argument("--profile", default=None, help="then profile each side's gateway (cProfile) into this folder")
     p.add_argument("--profile-rate", type=float, default=50.0, help="offered requests per second while profiling")
+    p.add_argument(
+        "--other-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for the other side's deployment only (with --checkout . : one checkout, two settings)",
+    )
 
 
 def add_broker_bench_args(p: argparse.ArgumentParser) -> None:
