@@ -45,7 +45,10 @@ def run_cycle(args: argparse.Namespace) -> int:
             for side, checkout in sides.items():
                 runs[side][policy].append(_run(checkout, policy, args))
     result: dict = {
-        "command": "keybatch bench cycle " + " ".join(sys.argv[3:]),
+        "command": "keybatch bench cycle"
+        + (" --checkout OTHER" if args.checkout else "")
+        + f" --policies {args.policies} --rounds {args.rounds} --seconds {args.seconds:g}"
+        + f" --max-batch {args.max_batch} --batch-ms {args.batch_ms:g}",
         "max_batch": args.max_batch,
         "batch_ms": args.batch_ms,
         "sides": {},
