@@ -23,6 +23,7 @@ import redis
 
 from control.bench.harness import fixed_fleet
 from control.broker.registry import read_fleet
+from control.core.vocab import POLICIES, Policy
 from control.load.generator import generate
 from control.load.spec import LoadSpec
 from control.load.summary import summarize
@@ -40,7 +41,7 @@ def _case(text: str) -> tuple[int, float]:
     return int(batch), float(load)
 
 
-def measure(policy: str, max_batch: int, load: float, args: argparse.Namespace) -> dict:
+def measure(policy: Policy, max_batch: int, load: float, args: argparse.Namespace) -> dict:
     with fixed_fleet(args.workers, PAID_KEY, FREE_KEY, max_batch, policy=policy) as (url, model, s):
         nominal = args.workers * s.max_batch * 1000.0 / s.batch_ms
         spec = LoadSpec(
@@ -49,7 +50,7 @@ def measure(policy: str, max_batch: int, load: float, args: argparse.Namespace) 
         wall0, cpu0 = time.monotonic(), _cpu_s()
         records = generate(spec, show_progress=False)
         wall, cpu = time.monotonic() - wall0, _cpu_s() - cpu0
-        fleet = read_fleet(redis.Redis.from_url(s.redis_url))
+        fleet = read_fleet(redis.Redis.from_url(s.redis_url or s.state_url))
     summary = summarize(records, duration_s=args.duration)
     a = summary["all"]
     ok = sum(r.status == 200 for r in records)
@@ -81,7 +82,7 @@ def run_goodput(args: argparse.Namespace) -> int:
     runs = []
     for case in [c for c in args.cases.split(",") if c]:
         max_batch, load = _case(case)
-        for policy in [p for p in args.policies.split(",") if p]:
+        for policy in [p for p in POLICIES if p in args.policies.split(",")]:
             r = measure(policy, max_batch, load, args)
             runs.append(r)
             duty = " ".join(f"{v:.3f}" for v in r["duty_cycle"].values())
