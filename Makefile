@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
+# The torch engine serves best under continuous batching (docs/measurements.md); the
+# fixed backend's default policy is the KEYBATCH_POLICY setting.
 run: install
-	$(BIN)/keybatch up
+	$(BIN)/keybatch up --policy continuous
 
 lint: install
 	$(BIN)/ruff check .
