@@ -39,17 +39,48 @@ class Ran:
     end_ms: float
 
 
-class Device:
-    def __init__(self, replica: ReplicaCore, run: Callable[[list[Pending]], list[StepOutput]]) -> None:
+class _EngineThread:
+    """What both engine threads share: started at the first work staged, woken on
+    `engine_cond`, closed once the loop ends, and the time of each run on the engine."""
+
+    def __init__(self, replica: ReplicaCore) -> None:
         self.replica = replica
+        self.closed = False
+        self._last_end: float | None = None  # monotonic ms the last run ended
+        self._thread: threading.Thread | None = None
+
+    def _wake(self) -> None:
+        """Under the lock: work was staged."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"engine-{self.replica.name}", daemon=True)
+            self._thread.start()
+        self.replica.engine_cond.notify()
+
+    def close(self) -> None:
+        self.closed = True
+        self.replica.engine_cond.notify()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _timed(self, began: float, ended: float) -> float:
+        """Record a run's time on the engine; returns its slot's time: the run plus the wait
+        before it, where it followed the last run at once."""
+        self.replica.perf.add(began, ended)
+        run_ms = ended - began
+        gap = began - self._last_end if self._last_end is not None else None
+        self._last_end = ended
+        return run_ms + (gap if gap is not None and gap < BACK_TO_BACK * run_ms else 0.0)
+
+
+class Device(_EngineThread):
+    def __init__(self, replica: ReplicaCore, run: Callable[[list[Pending]], list[StepOutput]]) -> None:
+        super().__init__(replica)
         self.run = run  # runs one batch on the engine to its end
         self.staged: list[Pending] | None = None  # claimed, waiting for the engine
         self.running: list[Pending] | None = None
         self.running_since = 0.0  # monotonic ms
         self.done: deque[Ran] = deque()
-        self.closed = False
-        self._last_end: float | None = None  # monotonic ms the last batch ended
-        self._thread: threading.Thread | None = None
 
     # -- under the replica's condition --------------------------------------------
 
@@ -67,14 +98,7 @@ class Device:
         if self.staged is not None:
             raise RuntimeError("a batch is staged already")
         self.staged = batch
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=f"engine-{self.replica.name}", daemon=True)
-            self._thread.start()
-        self.replica.engine_cond.notify()
-
-    def close(self) -> None:
-        self.closed = True
-        self.replica.engine_cond.notify()
+        self._wake()
 
     # -- the engine's thread -----------------------------------------------------------
 
@@ -99,20 +123,10 @@ class Device:
                 outputs = [StepOutput(pd.id, RequestStatus.FINISHED_ERROR, error=message) for pd in batch]
             ended = monotonic_ms()
             with r.cond:
-                self._count(began, ended)
+                r.perf.cycle(self._timed(began, ended))
                 self.running = None
                 self.done.append(Ran(batch, outputs, start, r.clock.now_ms()))
                 r.cond.notify_all()
-
-    def _count(self, began: float, ended: float) -> None:
-        """The batch's time on the engine, and its slot's cycle: the engine's time plus the
-        wait before it, where it followed the last batch at once."""
-        r = self.replica
-        r.perf.add(began, ended)
-        gap = began - self._last_end if self._last_end is not None else None
-        run_ms = ended - began
-        r.perf.cycle(run_ms + (gap if gap is not None and gap < BACK_TO_BACK * run_ms else 0.0))
-        self._last_end = ended
 
 
 @dataclass(frozen=True)
@@ -127,20 +141,17 @@ class Stepped:
     end_ms: float  # when the step ended (the replica's clock)
 
 
-class StepDevice:
+class StepDevice(_EngineThread):
     """A continuous engine's own thread: it runs steps back to back while the engine holds
     work, taking in between the joins and aborts the loop staged. The loop's take, claim,
     streaming and delivery overlap the steps; the engine is only ever called from here."""
 
     def __init__(self, replica: ReplicaCore) -> None:
-        self.replica = replica
+        super().__init__(replica)
         self.joins: list[Job] = []  # staged: they join before the next step
         self.aborts: list[str] = []
         self.done: deque[Stepped] = deque()
         self.stepping = False  # the engine holds work (or a step runs)
-        self.closed = False
-        self._last_end: float | None = None
-        self._thread: threading.Thread | None = None
 
     # -- under the replica's lock ---------------------------------------------------
 
@@ -150,14 +161,7 @@ class StepDevice:
     def stage(self, joins: Sequence[Job] = (), aborts: Sequence[str] = ()) -> None:
         self.joins.extend(joins)
         self.aborts.extend(aborts)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=f"engine-{self.replica.name}", daemon=True)
-            self._thread.start()
-        self.replica.engine_cond.notify()
-
-    def close(self) -> None:
-        self.closed = True
-        self.replica.engine_cond.notify()
+        self._wake()
 
     # -- the engine's thread -----------------------------------------------------------
 
@@ -228,11 +232,7 @@ class StepDevice:
         """The step's time on the engine; its slot's cycle is a request's steps, each the
         step's time plus the wait before it where it followed the last step at once."""
         r = self.replica
-        r.perf.add(began, ended)
-        gap = began - self._last_end if self._last_end is not None else None
-        step_ms = ended - began
-        turn = step_ms + (gap if gap is not None and gap < BACK_TO_BACK * step_ms else 0.0)
+        turn = self._timed(began, ended)
         r.perf.cycle(turn * r.engine.expected_batch_ms() / max(r.engine.expected_step_ms(), 1e-3))
         r.loop_times[0] += turn
         r.loop_times[1] += 1
-        self._last_end = ended
