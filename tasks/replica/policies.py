@@ -99,12 +99,12 @@ class StaticPolicy:
         self.hold = hold  # the intake's recorder thread
         self.device = Device(replica, self._run_engine)
         self._prep_ms: deque[float] = deque(maxlen=PREP_SAMPLES)  # a take and settle, start to staged
+        self._measured_lead_ms = 0.0  # twice their median, set as each is measured
 
     def lead_ms(self) -> float:
         """How long before the engine frees the next batch is taken: twice the measured take
         and settle (at most a tenth of a batch), so it is staged when the engine is free."""
-        measured = 2 * statistics.median(self._prep_ms) if self._prep_ms else 0.0
-        return min(max(MIN_LEAD_MS, measured), self.replica.engine.expected_batch_ms() / 10)
+        return min(max(MIN_LEAD_MS, self._measured_lead_ms), self.replica.engine.expected_batch_ms() / 10)
 
     def _engine_in_ms(self) -> float | None:
         """Under the lock: how long until a batch taken now is due on the engine (0: now);
@@ -114,9 +114,11 @@ class StaticPolicy:
         return max(0.0, self.device.frees_in_ms(monotonic_ms()) - self.lead_ms())
 
     def _due(self, now_ms: float) -> bool:
-        r = self.replica
-        wait = r.collector.wait_ms(now_ms)
-        return (wait == 0 or (wait is not None and r.is_flushing())) and self._engine_in_ms() == 0
+        return self._is_due(self.replica.collector.wait_ms(now_ms), self._engine_in_ms())
+
+    def _is_due(self, wait: float | None, engine_in: float | None) -> bool:
+        """A batch is due (the collector's `wait`) and the engine takes it soon (`engine_in`)."""
+        return (wait == 0 or (wait is not None and self.replica.is_flushing())) and engine_in == 0
 
     def wait(self) -> bool | None:
         r = self.replica
@@ -128,13 +130,13 @@ class StaticPolicy:
                 wait = r.collector.wait_ms(now)
                 if wait is None and r.stopping and self.device.idle():
                     return None
-                if self._due(now):
+                engine_in = self._engine_in_ms()
+                if self._is_due(wait, engine_in):
                     return True
                 renew_in = r.lease.due_in_ms()
                 if renew_in <= 0:
                     return False
                 timeout = renew_in
-                engine_in = self._engine_in_ms()
                 if wait is not None and engine_in is not None:
                     timeout = min(timeout, max(0.0 if r.is_flushing() else wait, engine_in))
                 r.cond.wait(max(timeout, 0.1) / 1000.0)
@@ -174,6 +176,7 @@ class StaticPolicy:
             self.device.stage(batch)
         self.loop.in_hand = []  # the engine's now: `finish` answers them
         self._prep_ms.append(monotonic_ms() - took_ms)
+        self._measured_lead_ms = 2 * statistics.median(self._prep_ms)
 
     def finish(self) -> None:
         """Answer the batches the engine finished (one delivery each), in order."""
