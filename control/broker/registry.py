@@ -60,6 +60,7 @@ class FleetView:
         self.client = client
         self.refresh_s = refresh_s
         self.replicas: list[ReplicaInfo] = []
+        self._capacity: dict[str, Capacity] = {}  # per model, for the `replicas` read last
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
         self.is_reachable = False
         self.read_at = 0.0  # time.monotonic() of the last successful read
@@ -83,7 +84,8 @@ class FleetView:
 
     def refresh(self) -> None:
         try:
-            self.replicas = read_fleet(self.client)
+            replicas = read_fleet(self.client)
+            self.replicas, self._capacity = replicas, {}
             self.num_wasted = int(self.client.get(keys.WASTED_KEY) or 0)
             self.is_reachable = True
             self.read_at = time.monotonic()
@@ -99,4 +101,9 @@ class FleetView:
         return time.monotonic() - self.read_at
 
     def capacity(self, model: str) -> Capacity:
-        return capacity_of(self.replicas, model)
+        """Pooled once per registry read, not once per request."""
+        cache = self._capacity  # a refresh meanwhile starts a new one
+        capacity = cache.get(model)
+        if capacity is None:
+            capacity = cache[model] = capacity_of(self.replicas, model)
+        return capacity
