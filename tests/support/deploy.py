@@ -4,6 +4,7 @@ and what tests read of it: an HTTP client with the test keys, metrics, held requ
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,14 @@ class Deployment:
                 if ",".join(sorted(inner.split(","))) == want or (not want and not inner):
                     return float(value)
         return 0.0
+
+    def metric_becomes(self, name: str, want: float, timeout_s: float = 2.0, **labels: str) -> float:
+        """Poll /metrics until the series reads `want` (a replica reports a drop when it next
+        forms a batch) or `timeout_s` passes; what it read last."""
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.metric(name, **labels)) != want and time.monotonic() <= deadline:
+            time.sleep(0.05)
+        return seen
 
 
 @contextmanager

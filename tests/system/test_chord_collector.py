@@ -29,6 +29,7 @@ from tasks.replica.chord import RESULT_PREFIX, ChordBatch, ChordPolicy, chord_qu
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import FREE_KEY, MODEL, Deployment, deployment
+from tests.support.jobs import admitted_job
 from tests.support.waiting import until
 
 
@@ -54,15 +55,6 @@ def _members_run(kb: Deployment) -> int:
     """Header tasks whose result the backend holds (one per request a chord ran)."""
     state = redis.Redis.from_url(kb.system.redis_url)
     return len(state.keys(f"{RESULT_PREFIX}celery-task-meta-*"))
-
-
-def _dropped(kb: Deployment, reason: str, want: float, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while (seen := kb.metric("keybatch_dropped_before_batch_total", reason=reason)) != want:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return seen
 
 
 def test_a_full_batch_closes_at_once(kb_chord: Deployment) -> None:
@@ -104,7 +96,9 @@ def test_a_cancel_before_the_batch_leaves_it_out_of_the_chord(kb_chord: Deployme
     assert answer.status_code == 409
     assert answer.json()["error"]["code"] == "cancelled"
     # The replica drops it when its batch would have closed (by the wait): no chord runs it.
-    assert _dropped(kb_chord, "cancelled", before + 1, MAX_WAIT_S + 2) == before + 1
+    name = "keybatch_dropped_before_batch_total"
+    dropped = kb_chord.metric_becomes(name, before + 1, MAX_WAIT_S + 2, reason="cancelled")
+    assert dropped == before + 1
     assert _members_run(kb_chord) == before_members
     assert kb_chord.post().status_code == 200  # the replica serves on
     assert _members_run(kb_chord) - before_members == 1
@@ -133,9 +127,7 @@ def test_a_cancel_that_lands_during_the_hop_is_honoured_and_each_request_answere
     replica = Replica(config, engine, state, clock)
     policy = ChordPolicy(replica, replica.loop, replica.intake.hold, Celery(set_as_current=False), "unused")
     now = clock.now_ms()
-    batch = [replica.intake.pending(_job(i, now)) for i in range(3)]
-    for i in range(3):  # admitted: each has an owner pointing at "gw"
-        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+    batch = [replica.intake.pending(admitted_job(state, i, now, budget_ms=5_000)) for i in range(3)]
     policy.batches["b1"] = ChordBatch(batch, now, len(batch) + 1)
     state.set(keys.cancel_key("a1"), "cancelled")  # after the take, before the members
 
@@ -151,18 +143,6 @@ def test_a_cancel_that_lands_during_the_hop_is_honoured_and_each_request_answere
     assert replica.stats.dropped["cancelled"] == 1
     assert (replica.stats.num_batches, replica.stats.num_requests) == (1, 2)  # the duplicate ran nothing
     assert not replica.busy and not policy.batches
-
-
-def _job(i: int, now_ms: float, deadline_ms: float = 5_000) -> p.Job:
-    return p.Job(
-        id=f"a{i}",
-        key=f"t:r{i}",
-        model=MODEL,
-        prompt=f"x{i}",
-        gateway="gw",
-        received_ms=now_ms,
-        deadline_ms=now_ms + deadline_ms,
-    )
 
 
 def _items(raw: bytes) -> list[dict]:
@@ -181,9 +161,7 @@ def test_a_chord_that_never_starts_runs_its_batch_without_it_once(valkey: Embedd
     replica = Replica(config, engine, state, clock)
     policy = ChordPolicy(replica, replica.loop, replica.intake.hold, app, chord_queue("r-lost"))
     now = clock.now_ms()
-    batch = [replica.intake.pending(_job(i, now, deadline_ms=300)) for i in range(3)]
-    for i in range(3):
-        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+    batch = [replica.intake.pending(admitted_job(state, i, now, budget_ms=300)) for i in range(3)]
     started = time.monotonic()
     policy.run(batch, now)
     assert 1.0 < time.monotonic() - started < 3.0
@@ -202,9 +180,8 @@ def test_a_chord_whose_members_all_drop_leaves_the_replica_idle(state: redis.Red
     )
     policy = ChordPolicy(replica, replica.loop, replica.intake.hold, Celery(set_as_current=False), "unused")
     now = clock.now_ms()
-    batch = [replica.intake.pending(_job(i, now)) for i in range(2)]
+    batch = [replica.intake.pending(admitted_job(state, i, now, budget_ms=5_000)) for i in range(2)]
     for i in range(2):
-        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
         state.set(keys.cancel_key(f"a{i}"), "gone")
     replica.busy = True  # as the take left it
     policy.batches["b1"] = ChordBatch(batch, now, len(batch) + 1)

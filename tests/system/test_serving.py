@@ -34,16 +34,6 @@ def kb(request: pytest.FixtureRequest) -> Iterator[Deployment]:
         yield d
 
 
-def _dropped_count_becomes(kb: Deployment, reason: str, want: float, timeout_s: float = 2.0) -> float:
-    """The replica reports a drop when it next forms a batch: poll /metrics until then."""
-    deadline = time.monotonic() + timeout_s
-    while (seen := kb.metric("keybatch_dropped_before_batch_total", reason=reason)) != want:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return seen
-
-
 def test_every_request_gets_exactly_one_answer(kb: Deployment) -> None:
     prompts = [f"def f{i}(x):\n    " for i in range(40)]
     with ThreadPoolExecutor(40) as pool:
@@ -81,7 +71,7 @@ def test_cancel_before_the_batch_takes_no_slot(kb: Deployment) -> None:
     assert answer.status_code == 409
     assert answer.json()["error"]["code"] == "cancelled"
     [f.result() for f in busy]
-    assert _dropped_count_becomes(kb, "cancelled", before + 1) == before + 1
+    assert kb.metric_becomes("keybatch_dropped_before_batch_total", before + 1, reason="cancelled") == before + 1
     again = requests.delete(f"{kb.url}/v1/completions/to-cancel", headers={"Authorization": f"Bearer {FREE_KEY}"})
     assert again.status_code == 404
 
@@ -94,7 +84,7 @@ def test_a_newer_request_in_the_session_supersedes_the_older(kb: Deployment) -> 
     assert older.result().json()["error"]["code"] == "superseded"
     assert newer.status_code == 200
     [f.result() for f in busy]
-    assert _dropped_count_becomes(kb, "superseded", before + 1) == before + 1
+    assert kb.metric_becomes("keybatch_dropped_before_batch_total", before + 1, reason="superseded") == before + 1
 
 
 def test_errors_are_openai_shaped(kb: Deployment) -> None:
@@ -220,4 +210,4 @@ def test_a_client_that_hangs_up_cancels_its_request(kb: Deployment) -> None:
         time.sleep(0.03)  # admitted and queued behind the busy replicas
     [f.result() for f in busy]
     # It takes no batch slot: the replica drops it when it next forms a batch.
-    assert _dropped_count_becomes(kb, "gone", before + 1) == before + 1
+    assert kb.metric_becomes("keybatch_dropped_before_batch_total", before + 1, reason="gone") == before + 1
