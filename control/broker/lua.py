@@ -540,12 +540,9 @@ local is_free = ARGV[5] == 'free'
 -- lists ahead of this request are counted; -1 answers one not counted.
 local live = '(' .. ARGV[7]
 local function count(key) return redis.call('ZCOUNT', key, live, '+inf') end
-local paid, paid_behind, free, free_behind = count(KEYS[2]), 0, -1, 0
+local paid, paid_behind, free, free_behind = count(KEYS[2]), 0, count(KEYS[3]), 0
 if tenanted then paid_behind, free_behind = -1, -1 end
-if is_free then
-  free = count(KEYS[3])
-  if tenanted then paid_behind = count(ARGV[12]) end
-end
+if is_free and tenanted then paid_behind = count(ARGV[12]) end
 local own, own_behind = KEYS[2], ARGV[12]
 if is_free then own, own_behind = KEYS[3], ARGV[13] end
 local behind, queued, tokens, rate = false, 0, 0, 0
@@ -580,8 +577,11 @@ if tenanted then
   if behind and is_free then free_behind = count(ARGV[13]) end
   if behind and not is_free then paid_behind = count(ARGV[12]) end
 end
-local position = paid + 1
-if is_free then position = position + paid_behind + free end
+-- Every request in line counts for a paid one too: the replicas run a request that would
+-- otherwise miss its deadline ahead of a paid one (tasks/policy/collector.py), so paid
+-- requests are admitted only to slots the queue leaves.
+local position = paid + 1 + free
+if is_free then position = position + paid_behind end
 if behind then position = position + (is_free and free_behind or paid_behind) end
 if behind and position > tonumber(ARGV[17]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
@@ -636,6 +636,25 @@ ADMIT_LUA = (
 )
 
 
+# A take's pop from the model's queue lists, in the order given (paid, free in line, free
+# behind): from each list up to its own cap, and no more than the total over all of them,
+# so free requests fill only the seats paid ones left. KEYS: the lists; ARGV: the total,
+# then each list's cap. Returns the raw messages, oldest of each list first.
+TAKE_QUEUED_LUA = """
+local out, left = {}, tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  local n = math.min(left, tonumber(ARGV[i + 1]))
+  if n > 0 then
+    local got = redis.call('RPOP', key, n)
+    if got then
+      for _, message in ipairs(got) do out[#out + 1] = message end
+      left = left - #got
+    end
+  end
+end
+return out
+"""
+
 # Every script by its name (the broker bench names EVALSHA calls by these).
 SOURCES = {
     "ADMIT": ADMIT_LUA,
@@ -647,4 +666,5 @@ SOURCES = {
     "SWEEP_ONE": SWEEP_ONE_LUA,
     "SWEEP_DEAD": SWEEP_DEAD_LUA,
     "RESCUE": RESCUE_LUA,
+    "TAKE_QUEUED": TAKE_QUEUED_LUA,
 }

@@ -111,8 +111,9 @@ class Verdict(IntEnum):
 
 
 def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
-    """1-based queue position of a new request: paid waits behind paid, free behind all."""
-    return paid_waiting + 1 + (free_waiting if tier == FREE else 0)
+    """1-based queue position of a new request: behind every request in line (the order
+    in which they run puts paid ones first only where no deadline is missed for it)."""
+    return paid_waiting + free_waiting + 1
 
 
 def predict_ms(position: int, capacity: Capacity) -> float:
@@ -165,13 +166,18 @@ def paid_reserve(paid_rate_rps: float, within_ms: float) -> int:
 def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
     """The deepest queue position (1-based) at which the request still fits.
 
-    Paid requests that arrive later still go ahead of a free one until its batch
-    starts, so a free request leaves room for the paid traffic expected before the
-    last slot it may ride in starts (at the mean phase: half an interval before its
-    latest start), and for that traffic's spread. (Room for one batch time of paid
-    traffic only lets in free requests at 2x load that paid ones then push past their
-    deadline: a 504, and a gateway's work for nothing; docs/decisions/0004.) A free
-    request that finds the queue empty is still admitted: an idle replica takes it now.
+    Every request in line counts, paid ones included (`lane_position`): a static replica
+    runs a request that would otherwise miss its deadline ahead of a paid one (earliest
+    deadline first where it must, tasks/policy/collector.py), so a request admitted within
+    the slots is not pushed past its deadline by later arrivals of either tier. A free
+    request leaves room for the paid traffic expected before the last slot it may ride in
+    starts (at the mean phase: half an interval before its latest start), and for that
+    traffic's spread: paid requests are then not refused while free ones fill the queue,
+    and a continuous replica, whose slots free in cohorts and whose joins look one step
+    ahead only, keeps its free requests' deadlines (with room for one interval of paid
+    traffic instead, 8.8% of the requests ended 504 at twice capacity there, 1.6% with
+    this; docs/decisions/0004). A free request that finds the queue empty is still
+    admitted: an idle replica takes it now.
     """
     slots = max_slots(budget_ms, capacity, limits)
     deepest = slots * capacity.max_batch
@@ -267,7 +273,7 @@ def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:
     """1-based queue position of a new request in its list: paid lists before free ones, a
     tier's list of keys in line before its list of requests behind them."""
     if tier == PAID:
-        return depths.paid + 1 + (depths.paid_behind if behind else 0)
+        return depths.paid + depths.free + 1 + (depths.paid_behind if behind else 0)
     ahead = depths.paid + depths.paid_behind + depths.free
     return ahead + 1 + (depths.free_behind if behind else 0)
 

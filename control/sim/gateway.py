@@ -30,7 +30,7 @@ class GatewaySide(ReplicaSide):
                 group.refresh_deepest(now, self.config.budget_ms)
             verdict, deepest = group.verdict, group.deepest[paid]
         waiting = group.num_waiting
-        position = waiting[1] + 1 + (0 if paid else waiting[0])
+        position = admission.position(TIERS[paid], waiting[1], waiting[0])
         if verdict is not _ADMIT or position > deepest:
             state[i] = EXPIRED if verdict == Verdict.TOO_SHORT else REFUSED
             return

@@ -94,6 +94,7 @@ class ReplicaSide(SimState):
         gone = {p.id for p in collector.waiting if self.state[p.payload] != WAITING}
         if gone:
             collector.remove(gone)
+        collector.urgent_before_ms = now + group.batch_ms  # this replica's batch after the next
         room = collector.num_free()
         while room and group.paid_queue:
             j = group.paid_queue.popleft()
@@ -147,6 +148,7 @@ class ReplicaSide(SimState):
         gone = {p.id for p in collector.waiting if state[p.payload] != WAITING}
         if gone:
             collector.remove(gone)
+        collector.urgent_before_ms = now + group.batch_ms
         room = min(collector.num_free(), engine.free_slots())
         while room and group.paid_queue:
             j = group.paid_queue.popleft()

@@ -25,6 +25,8 @@ to every T/R; the deadline term still bounds it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,7 @@ from control.core.vocab import FREE, PAID, Tier
 
 BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
 LAUNCH_LEAD_MS = 10.0  # a batch closed by a deadline launches this long before its last moment
+STAGGER_TOLERANCE = 0.1  # of a gap: starts spread this evenly are left where they are
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class Collector:
     config: CollectorConfig
     waiting: list[Pending] = field(default_factory=list)
     not_before_ms: float = 0.0  # a batch that is not full starts no earlier (staggering)
+    urgent_before_ms: float = 0.0  # a request that must start before this rides the next batch
+    last_batch: int = 0  # the size of the last batch popped
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -84,13 +89,32 @@ class Collector:
     def add(self, pending: Pending) -> None:
         self.waiting.append(pending)
 
+    def latest_start_ms(self, pending: Pending) -> float:
+        """The last moment a batch holding `pending` may start and still finish in time."""
+        return pending.deadline_ms - self.config.batch_ms - self.config.margin_ms
+
+    def is_urgent(self, pending: Pending) -> bool:
+        """Must `pending` ride the next batch? Its latest start comes before this replica's
+        batch after the next one (`urgent_before_ms`, set by the replica before a take)."""
+        return self.latest_start_ms(pending) < self.urgent_before_ms
+
     def num_free(self) -> int:
-        """Free requests that a late paid one would displace from the next batch."""
-        return min(self.config.max_batch, sum(p.tier == FREE for p in self.waiting))
+        """Free requests that a late paid one would displace from the next batch: those
+        that can still wait for the batch after it (an urgent one keeps its place)."""
+        return self._num_displaced(lambda p: p.tier == FREE)
 
     def num_behind(self) -> int:
         """Free requests behind other tenants' ones that a late free one in line would displace."""
-        return min(self.config.max_batch, sum(p.behind and p.tier == FREE for p in self.waiting))
+        return self._num_displaced(lambda p: p.behind and p.tier == FREE)
+
+    def _num_displaced(self, displaceable: Callable[[Pending], bool]) -> int:
+        urgent = movable = 0
+        for pending in self.waiting:
+            if self.is_urgent(pending):
+                urgent += 1
+            elif displaceable(pending):
+                movable += 1
+        return max(0, min(movable, self.config.max_batch - urgent))
 
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]
@@ -124,6 +148,37 @@ class Collector:
             return
         self.not_before_ms = max(recent) + c.batch_ms / (len(recent) + 1)
 
+    def staggered_start_ms(self, start_ms: float, peer_launches_ms: list[float], slot_ms: float) -> float:
+        """When a saturated replica should start the batch it could start at `start_ms`.
+
+        Replicas that run back-to-back full batches keep whatever phase they fell into,
+        and when they start together a request just after a start waits a whole slot, and
+        a queue admitted for staggered slots fills each of them in part. So under heavy
+        load (the last batch at least `stagger_fill` full) a replica whose start falls less
+        than a gap after a peer's next start (each peer recently launched
+        runs a batch every `slot_ms`) follows it by a gap, slot / replicas; the peer,
+        which sees this replica after it, keeps its start. A replica pays one part-slot
+        once; the starts then stay spread. A start within `STAGGER_TOLERANCE` of a gap
+        after the peer's stays (jitter moves starts by a few ms every slot).
+        """
+        recent = [t for t in peer_launches_ms if start_ms - t < 2 * slot_ms]
+        if not recent or self.last_batch < self.config.stagger_fill * self.config.max_batch:
+            return start_ms
+        gap = slot_ms / (len(recent) + 1)
+        close = gap * (1 - STAGGER_TOLERANCE)
+        # Never past the last start of the tightest request buffered (`launch_at`'s bound).
+        latest = min((self.latest_start_ms(p) - LAUNCH_LEAD_MS for p in self.waiting), default=math.inf)
+        staggered = start_ms
+        for _ in range(len(recent) + 1):
+            moved = False
+            for launch in recent:
+                peer_next = launch + math.ceil((staggered - close - launch) / slot_ms) * slot_ms
+                if peer_next < staggered < peer_next + close:
+                    staggered, moved = peer_next + gap, True
+            if not moved:
+                break
+        return max(start_ms, min(staggered, latest))
+
     def wait_ms(self, now_ms: float) -> float | None:
         """How long a free replica should wait before it starts a batch (0: now)."""
         launch = self.launch_at()
@@ -148,10 +203,21 @@ class Collector:
         return late
 
     def pop_batch(self, limit: int | None = None) -> list[Pending]:
-        """The next batch: up to `max_batch` (or `limit`) requests, paid ahead of free, with aging."""
+        """The next batch: up to `max_batch` (or `limit`) requests. Those that cannot wait
+        for the batch after it (`is_urgent`) go first, by deadline; then paid ahead of free,
+        with aging. A late paid request so takes the place of a free one only if the free
+        one still makes the next batch: priority reorders who waits, and never makes an
+        admitted request miss its deadline (earliest deadline first where it must)."""
         boost = self.config.paid_boost_ms
         size = self.config.max_batch if limit is None else min(limit, self.config.max_batch)
-        self.waiting.sort(key=lambda p: p.rank(boost))
+        urgent_before = self.urgent_before_ms + self.config.batch_ms + self.config.margin_ms
+
+        def order(p: Pending) -> tuple[int, float]:
+            if p.deadline_ms < urgent_before:  # `is_urgent`, inlined: sorted at every take
+                return 0, p.deadline_ms
+            return 1, p.rank(boost)
+
+        self.waiting.sort(key=order)
         batch: list[Pending] = []
         seen: set[str] = set()
         taken = 0
@@ -163,4 +229,6 @@ class Collector:
                 seen.add(pending.id)
                 batch.append(pending)
         self.waiting = self.waiting[taken:]
+        if batch:
+            self.last_batch = len(batch)
         return batch

@@ -5,7 +5,8 @@ Replicas of a model share one queue, and what a replica has pulled only it can r
 So a replica pulls what it can start soon, and leaves the rest to whichever replica
 starts next:
 
-- An idle replica pulls up to two batches.
+- An idle replica pulls up to two batches (one while it holds its next batch back to
+  spread the starts: it starts one batch, later).
 - A busy one pulls at most one next batch, and only while no other replica of its
   model frees before it: what arrives goes to whichever replica starts next. An idle
   peer takes everything (low load: idle replicas first).
@@ -31,6 +32,7 @@ class PullGate:
     max_batch: int
     lead_ms: float = 40.0
     busy: bool = False
+    holding: bool = False  # idle, its next batch held back to spread the starts: it pulls one batch
     stopping: bool = False
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise
@@ -63,7 +65,7 @@ class PullGate:
         if self.stopping:
             return False
         if not self.busy:
-            return buffered < 2 * self.max_batch
+            return buffered < (1 if self.holding else 2) * self.max_batch
         if buffered >= self.max_batch:
             return False
         if now_ms >= self.ends_at_ms - self.lead_ms:  # `pull_at_ms`, asked before every pull

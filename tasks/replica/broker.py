@@ -20,6 +20,7 @@ from redis.typing import EncodableT, FieldT
 from control.broker import keys, records, scripts, traffic
 from control.broker.envelope import job_from_message
 from control.broker.leases import release_replica
+from control.broker.lua import TAKE_QUEUED_LUA
 from control.core import protocol as p
 from control.core.vocab import FREE, PAID
 
@@ -43,6 +44,7 @@ class ReplicaBroker:
         self._record_held = scripts.Record(client)
         self._deliver = scripts.Deliver(client)
         self._stream = scripts.Stream(client)
+        self._take_queued = client.register_script(TAKE_QUEUED_LUA)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -109,19 +111,24 @@ class ReplicaBroker:
     # -- take: cancels and late paid requests ----------------------------------------
 
     def cancels_and_paid(
-        self, model: str, ids: list[str], room: int, behind: int = 0
+        self, model: str, ids: list[str], room: int, behind: int = 0, fill: int = 0
     ) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
-        """One round trip: the cancel reason of each of `ids` that has one, and up to
-        `room` paid requests (and `behind` free ones) still in the queue, with their raw
-        messages."""
-        if not ids and not room and not behind:
+        """One round trip: the cancel reason of each of `ids` that has one, and requests
+        still in the queue, with their raw messages: up to `room` paid ones (and `behind`
+        free ones in line) that would otherwise ride behind requests already buffered, and
+        up to `fill` more of any tier, paid first, for the seats the buffer leaves empty
+        (what the consumer has not pulled yet rides this batch, not the next)."""
+        if not ids and not room and not behind and not fill:
             return {}, []
         pipe = self.redis.pipeline(transaction=False)
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
-        if room:
+        if fill:
+            lists = [keys.queue_key(model, PAID), keys.queue_key(model, FREE), keys.queue_key(model, FREE, True)]
+            self._take_queued(lists, [room + behind + fill, room + fill, behind + fill, fill], client=pipe)
+        elif room:
             pipe.rpop(keys.queue_key(model, PAID), room)
-        if behind:
+        if behind and not fill:
             pipe.rpop(keys.queue_key(model, FREE), behind)
         results = pipe.execute()
         values = results[0] if ids else []

@@ -52,7 +52,7 @@ class Loop:
             try:
                 r.renew_lease_if_due()
                 self.ops.check_drained()
-                r.collector.config.batch_ms = r.engine.expected_batch_ms()  # measured, where the engine can
+                r.collector.config.batch_ms = self.policy.batch_ms()  # measured, where the engine can
                 self.policy.finish()
                 if due and self.policy.takes():
                     started = monotonic_ms()  # the take's start: a policy times its lead from it
@@ -71,11 +71,12 @@ class Loop:
         r = self.replica
         with r.cond:
             ids = r.collector.ids()
-            room, behind = self.policy.room() if r.is_taking() else (0, 0)
-        # One round trip: cancels for the whole buffer and what runs, and paid requests
-        # still in the queue that would otherwise ride behind free ones already buffered
-        # (and free ones in line behind buffered requests of a tenant beyond its share).
-        reasons, late_paid = r.broker.cancels_and_paid(r.model, ids + list(r.joined), room, behind)
+            room, behind, fill = self.policy.room() if r.is_taking() else (0, 0, 0)
+        # One round trip: cancels for the whole buffer and what runs, and requests still in
+        # the queue: paid ones that would otherwise ride behind free ones already buffered
+        # (and free ones in line behind buffered requests of a tenant beyond its share), and
+        # any, paid first, for the seats the buffer leaves empty.
+        reasons, late_paid = r.broker.cancels_and_paid(r.model, ids + list(r.joined), room, behind, fill)
         now = r.clock.now_ms()
         self._abort_gone_running(reasons, now)
         with r.cond:

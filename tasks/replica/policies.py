@@ -54,8 +54,9 @@ class Policy(Protocol):
         None once stopping with nothing left."""
         ...
 
-    def room(self) -> tuple[int, int]:
-        """Under the lock: how many paid (and free behind) requests a take may bring."""
+    def room(self) -> tuple[int, int, int]:
+        """Under the lock: how many paid (and free in line) requests a take may bring in
+        place of buffered free ones (behind), and how many of any tier for empty seats."""
         ...
 
     def pop(self, now_ms: float) -> list[Pending]:
@@ -70,6 +71,11 @@ class Policy(Protocol):
 
     def takes(self) -> bool:
         """Is a take due now (a turn may be due only to answer a finished batch)?"""
+        ...
+
+    def batch_ms(self) -> float:
+        """From a take to a request's answer at the most, the take aside: what the buffer's
+        deadline rule (`Collector.can_finish`) allows for."""
         ...
 
     def finish(self) -> None:
@@ -111,7 +117,20 @@ class StaticPolicy:
         None while one is staged already."""
         if self.device.staged is not None:
             return None
-        return max(0.0, self.device.frees_in_ms(monotonic_ms()) - self.lead_ms())
+        now = self.replica.clock.now_ms()
+        return max(0.0, self._start_at(now) - now - self.lead_ms())
+
+    def _start_at(self, now_ms: float) -> float:
+        """Under the lock: when the next batch starts, the engine free and the starts spread."""
+        r = self.replica
+        frees_at = now_ms + self.device.frees_in_ms(monotonic_ms())
+        start = r.collector.staggered_start_ms(frees_at, r.gate.peer_launches, self._slot_ms())
+        r.gate.holding = start > frees_at
+        return start
+
+    def _slot_ms(self) -> float:
+        """One batch slot of this replica: its measured cycle, never less than its batch."""
+        return max(self.replica.engine.expected_batch_ms(), self.replica.perf.cycle_ms())
 
     def _due(self, now_ms: float) -> bool:
         return self._is_due(self.replica.collector.wait_ms(now_ms), self._engine_in_ms())
@@ -146,15 +165,26 @@ class StaticPolicy:
         with r.cond:
             return self._due(r.clock.now_ms())
 
+    def batch_ms(self) -> float:
+        return self.replica.engine.expected_batch_ms()
+
     def running(self) -> bool:
         with self.replica.cond:
             return not self.device.idle()
 
-    def room(self) -> tuple[int, int]:
-        return self.replica.collector.num_free(), self.replica.collector.num_behind()
+    def room(self) -> tuple[int, int, int]:
+        c = self.replica.collector
+        self._mark_urgent(self.replica.clock.now_ms())
+        return c.num_free(), c.num_behind(), max(0, c.config.max_batch - len(c))
+
+    def _mark_urgent(self, now_ms: float) -> None:
+        """Under the lock: what must ride the batch taken now is what cannot wait for this
+        replica's batch after it, one measured slot after this one starts."""
+        self.replica.collector.urgent_before_ms = max(now_ms, self._start_at(now_ms)) + self._slot_ms()
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
+        self._mark_urgent(now_ms)
         batch = r.collector.pop_batch() if self._due(now_ms) else []
         if batch:  # it starts when the engine frees
             r.gate.start(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
@@ -278,11 +308,22 @@ class ContinuousPolicy:
     def takes(self) -> bool:
         return True
 
-    def room(self) -> tuple[int, int]:
-        return min(self.replica.collector.num_free(), self.free_slots()), 0
+    def batch_ms(self) -> float:
+        """A request joins when the running step ends, then runs a batch's steps."""
+        return self.replica.engine.expected_batch_ms() + self.replica.engine.expected_step_ms()
+
+    def room(self) -> tuple[int, int, int]:
+        c, free = self.replica.collector, self.free_slots()
+        self._mark_urgent(self.replica.clock.now_ms())
+        return min(c.num_free(), free), 0, max(0, free - len(c))
+
+    def _mark_urgent(self, now_ms: float) -> None:
+        """Under the lock: a request that cannot wait for the next step joins first."""
+        self.replica.collector.urgent_before_ms = now_ms + self.replica.engine.expected_step_ms()
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
+        self._mark_urgent(now_ms)
         batch = r.collector.pop_batch(limit=self.free_slots())
         if batch:
             r.busy = True

@@ -91,10 +91,11 @@ def test_a_tenant_beyond_its_fair_depth_waits_behind_the_tier_and_is_capped_at_i
     limits = tenant_limits(192, CAP, TenantPolicy(share=0.5, fair_batches=1.0))
     assert (limits.fair_depth, limits.max_queued, limits.deepest_behind) == (64, 96, 192)
     depths = Depths(paid=10, paid_behind=5, free=40, free_behind=80)
-    # In line: behind paid (both lists) and the free in line only, not the flood behind.
+    # In line: behind paid (both lists) and the free in line only, not the flood behind; a paid
+    # request behind everything in line (the replicas run it first where no deadline suffers).
     assert lane_position("free", depths, behind=False) == 56
     assert lane_position("free", depths, behind=True) == 136
-    assert lane_position("paid", depths, behind=False) == 11
+    assert lane_position("paid", depths, behind=False) == 51  # every request in line counts
     assert decide("free", 3, depths, 192, limits) == (Verdict.ADMIT, False, 56)
     assert decide("free", 64, Depths(free=40, free_behind=160), 192, limits)[0] == Verdict.TENANT_QUEUE_FULL
     assert decide("free", 64, Depths(free=40), 192, limits) == (Verdict.ADMIT, True, 41)

@@ -118,3 +118,39 @@ def test_a_paid_request_behind_other_paid_tenants_still_goes_before_free_ones() 
         c.add(pending)
     assert [pd.id for pd in c.pop_batch()] == ["r2", "r0"]  # the tier first, then the lane
     assert c.num_behind() == 1  # only a free request behind is displaced by a free one in line
+
+
+def test_a_free_request_that_cannot_wait_for_the_next_batch_keeps_its_place_before_a_paid_one() -> None:
+    # Free r0..r3, deadlines 600-603: latest starts 335-338 (a 250 ms batch, a 15 ms margin).
+    c = make_collector(max_batch=4, margin_ms=15.0)
+    for i in range(4):
+        c.add(make_pending(i, at=float(i)))
+    c.urgent_before_ms = 300.0  # the batch after this one starts by then: every free one waits
+    assert c.num_free() == 4  # late paid requests may take all four seats
+    c.urgent_before_ms = 337.0  # r0 and r1 (latest starts 335, 336) cannot wait for it
+    assert c.num_free() == 2
+    c.add(make_pending(10, at=50.0, tier="paid"))
+    c.add(make_pending(11, at=60.0, tier="paid"))
+    c.add(make_pending(12, at=70.0, tier="paid"))
+    assert [p.id for p in c.pop_batch()] == ["r0", "r1", "r10", "r11"]  # the urgent ones by deadline, then paid
+    assert sorted(c.ids()) == ["r12", "r2", "r3"]
+
+
+def test_a_saturated_replica_follows_a_peer_that_starts_just_before_it_by_a_gap() -> None:
+    c = make_collector(max_batch=4)
+    c.add(make_pending(0, at=0.0, deadline=10_000.0))
+    # At low load (the last batch under half full) starts are left where they fall.
+    assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1000.0
+    for i in range(4):
+        c.add(make_pending(i + 1, at=0.0, deadline=10_000.0))
+    c.pop_batch()
+    assert c.last_batch == 4
+    # Two replicas: a gap of 125. A peer that launched 10 ms before: follow it by the gap.
+    assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1115.0
+    # A peer whose next start (1010) comes after this one's: the peer moves, this one keeps its start.
+    assert c.staggered_start_ms(1000.0, [760.0], 250.0) == 1000.0
+    # Within a tenth of a gap of even: left as it is.
+    assert c.staggered_start_ms(1000.0, [880.0], 250.0) == 1000.0
+    # Never past the last start of the tightest request buffered.
+    c.add(make_pending(9, at=0.0, deadline=1300.0))  # latest start 1300 - 250 - 15 - 10 = 1025
+    assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1025.0
