@@ -116,6 +116,7 @@ def pack_replica_entry(
     backend: str,
     max_batch: int,
     batch_ms: float,
+    join_ms: float,
     buffered: int,
     busy: bool,
     host: str,
@@ -137,6 +138,7 @@ def pack_replica_entry(
         "backend": backend,
         "max_batch": max_batch,
         "batch_ms": batch_ms,
+        "join_ms": join_ms,
         "buffered": buffered,
         "busy": int(busy),
         "host": host,
@@ -175,6 +177,7 @@ class ReplicaInfo:
     batch_p99_ms: float = 0.0
     utilization: float = 0.0  # share of the last 10 s spent running batches or steps
     cycle_ms: float = 0.0  # measured: a batch slot's whole time on the replica (0.0: not yet)
+    join_ms: float = 0.0  # continuous: a request taken waits this long for the next step to join
     heartbeat_age_ms: float = 0.0  # broker clock now minus the replica's last publish
     moving_to: str = ""
     wasted_slots: int = 0  # slots run for requests whose client had gone
@@ -218,6 +221,7 @@ def parse_replica_entry(
         batch_p99_ms=_number(f.get("batch_p99_ms", "0")),
         utilization=_number(f.get("utilization", "0")),
         cycle_ms=_number(f.get("cycle_ms", "0")),
+        join_ms=_number(f.get("join_ms", "0")),
         heartbeat_age_ms=max(0.0, now_ms - seen_ms) if now_ms and seen_ms else 0.0,
         moving_to=f.get("moving_to", ""),
         wasted_slots=int(_number(f.get("wasted_slots", "0"))),

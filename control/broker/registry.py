@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import cast
 
 import redis
@@ -50,7 +51,9 @@ def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
 
 def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
     """What the model's ready replicas serve: their engines' batch and their measured cycles."""
-    return pooled_capacity([(r.max_batch, r.batch_ms, r.cycle_ms) for r in fleet if r.model == model and r.is_ready])
+    ready = [r for r in fleet if r.model == model and r.is_ready]
+    capacity = pooled_capacity([(r.max_batch, r.batch_ms, r.cycle_ms) for r in ready])
+    return replace(capacity, join_ms=max((r.join_ms for r in ready), default=0.0))
 
 
 class FleetView:

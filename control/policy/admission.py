@@ -37,6 +37,7 @@ class Capacity:
     max_batch: int
     batch_ms: float
     cycle_ms: float = 0.0
+    join_ms: float = 0.0  # continuous replicas: a taken request waits up to a step to join
 
     @property
     def slot_ms(self) -> float:
@@ -137,8 +138,20 @@ def max_slots(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
     """Batch slots a request may wait for (including its own) within its budget: those
     that start by the budget less a slot and the margin (a replica starts a request no
     later than its deadline less a batch and the margin, and the slot then takes `slot_ms`)."""
-    latest_start = budget_ms - limits.margin_ms - capacity.slot_ms
+    latest_start = budget_ms - limits.margin_ms - capacity.slot_ms - capacity.join_ms
     return max(1, math.floor(latest_start / capacity.interval_ms))
+
+
+def max_depth(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
+    """The queue positions a request's budget holds. Static replicas: the slots that start
+    in time, a batch each. Continuous ones free seats at every step, a step's share of a
+    batch each (`join_ms` apart), in the order the requests joined: position p joins once p
+    seats have freed, a step later at the most, so the positions are the seats that free by
+    the latest join less a step."""
+    if capacity.join_ms <= 0:
+        return max_slots(budget_ms, capacity, limits) * capacity.max_batch
+    latest_join = budget_ms - limits.margin_ms - capacity.slot_ms - 2 * capacity.join_ms
+    return max(capacity.max_batch, math.floor(capacity.per_round * latest_join / capacity.slot_ms))
 
 
 def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
@@ -180,7 +193,7 @@ def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limit
     admitted: an idle replica takes it now.
     """
     slots = max_slots(budget_ms, capacity, limits)
-    deepest = slots * capacity.max_batch
+    deepest = max_depth(budget_ms, capacity, limits)
     if tier == FREE:
         before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
         deepest = max(1, deepest - paid_reserve(paid_rate_rps, before_last))

@@ -139,6 +139,11 @@ class Engine(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    def frees_after_step(self) -> int:
+        """Running requests the next step certainly finishes (continuous: their slots are
+        free for the step after it, so as many more may wait staged to join then)."""
+        ...
+
     def step(self) -> list[StepOutput]:
         """Run one iteration; an output for each request that produced something or finished."""
         ...

@@ -108,6 +108,10 @@ class FixedLatencyEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def frees_after_step(self) -> int:
+        """Running requests that the next step finishes: slots free for the step after it."""
+        return sum(1 for request in self.running.values() if request.steps_left <= 1)
+
     def step(self) -> list[StepOutput]:
         if self.hang and any(self.hang in r.job.prompt for r in self.running.values()):
             self._stop.wait()  # hung: no step ends, nobody is told

@@ -239,6 +239,11 @@ class HFEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.rows or self._outbox)
 
+    def frees_after_step(self) -> int:
+        """Decoding requests that the next step's token brings to their length (an end of
+        text may finish others too): slots certainly free for the step after it."""
+        return sum(1 for r in self.rows if r.is_decoding and len(r.output_ids) + 1 >= r.max_tokens)
+
     def step(self) -> list[StepOutput]:
         """Admit, decode, prefill, release: one iteration."""
         started = time.perf_counter()

@@ -12,7 +12,8 @@ starts next:
   peer takes everything (low load: idle replicas first).
 - Either way a busy replica pulls from `lead_ms` before it expects to be free, so its
   next batch is buffered when the running one ends.
-- A continuous engine pulls enough to fill its free slots, and a few behind them.
+- A continuous engine pulls enough to fill its free slots (with those the step under
+  way frees: no request waits in its buffer for a slot that frees later).
 
 The replica tells the gate when a batch starts and ends and what it learned about its
 peers (on the broker round trips it makes anyway); the consumer's loop asks `wants`
@@ -76,7 +77,7 @@ class PullGate:
         """May a continuous engine's replica pull another now?"""
         if self.stopping:
             return False
-        return buffered < free_slots + max(1, self.max_batch // 4)
+        return buffered < free_slots
 
     def peers_free_first(self, now_ms: float, batch_ms: float) -> list[float]:
         """The expected ends of the peers' batches that fall between now and this replica's end."""

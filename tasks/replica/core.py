@@ -65,6 +65,7 @@ class ReplicaCore:
         self.is_polling: Callable[[], bool] = lambda: False  # the consumer has a pull outstanding
         self.quiet_since: float | None = None  # monotonic ms since a draining replica held nothing
         self.joined: dict[str, tuple[Pending, float]] = {}  # continuous: running requests, when each joined
+        self.frees_next = 0  # continuous: running requests the step under way finishes
         self.loop_times = [0.0, 0]  # continuous: ms spent in turns of the loop that stepped, and those turns
         self.moving_to = ""  # the model a move loads once the replica is drained
         self.batch_started = 0.0  # monotonic ms of the running batch's (or step's) start
@@ -109,7 +110,8 @@ class ReplicaCore:
         if not self.is_taking():
             return False
         if self.engine.continuous:
-            return self.gate.wants_continuous(len(self.collector), max(0, self.engine.max_batch - len(self.joined)))
+            free = max(0, self.engine.max_batch + self.frees_next - len(self.joined))
+            return self.gate.wants_continuous(len(self.collector), free)
         return self.gate.wants(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
 
     def reopens_at_ms(self) -> float | None:
@@ -193,6 +195,7 @@ class ReplicaCore:
             backend=self.engine.name,
             max_batch=self.engine.max_batch,
             batch_ms=self.engine.expected_batch_ms(),
+            join_ms=self.engine.expected_step_ms() if self.engine.continuous else 0.0,
             buffered=buffered,
             busy=self.busy,
             host=socket.gethostname(),

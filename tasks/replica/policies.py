@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -30,12 +31,6 @@ MIN_LEAD_MS = 5.0  # the next static batch is taken at least this long before th
 PREP_SAMPLES = 15
 
 Finished = tuple[Pending, StepOutput, float]
-
-
-def standby(max_batch: int) -> int:
-    """Requests a continuous engine's thread holds ready beyond its free slots, so a slot
-    freed by a step is filled at the next one, not a turn of the loop later."""
-    return max(1, max_batch // 4)  # a request, its final output, when its batch (or it) started
 
 
 class Phases(Protocol):
@@ -285,10 +280,23 @@ class ContinuousPolicy:
         self.device = StepDevice(replica)
 
     def free_slots(self) -> int:
-        """Requests a take may bring to join: the engine's slots not running nor staged,
-        and a few more that wait staged for slots the next steps free (`standby`)."""
-        engine = self.replica.engine
-        return max(0, engine.max_batch + standby(engine.max_batch) - len(self.replica.joined))
+        """Requests a take may bring to join: the engine's slots not running nor staged, and
+        as many more as the step under way finishes (`Engine.frees_after_step`), which wait
+        staged to join at the step after it: a slot a step frees is filled at the next one,
+        and no request waits staged for a slot that frees later."""
+        r = self.replica
+        return max(0, r.engine.max_batch + self.device.frees_next - len(r.joined))
+
+    def joins_left(self) -> int:
+        """Under the lock: how many more may be staged to join at the next step. A step
+        takes at most its share of a batch (`max_batch` over a request's steps) and the
+        urgent ones beyond it: the engine's slots then free a step's share at every step,
+        not in cohorts, and a queued request waits a step for a slot, not a batch."""
+        r = self.replica
+        steps = max(1.0, r.engine.expected_batch_ms() / max(r.engine.expected_step_ms(), 1e-3))
+        share = math.ceil(r.engine.max_batch / steps)
+        urgent = sum(1 for pending in r.collector.waiting if r.collector.is_urgent(pending))
+        return min(self.free_slots(), max(share - len(self.device.joins), urgent))
 
     def wait(self) -> bool | None:
         r = self.replica
@@ -296,7 +304,7 @@ class ContinuousPolicy:
             while True:
                 if self.device.done:
                     return True
-                if len(r.collector) > 0 and self.free_slots() > 0:
+                if len(r.collector) > 0 and self.joins_left() > 0:
                     return True
                 if r.stopping and not r.collector and not r.joined and self.device.idle():
                     return None
@@ -313,18 +321,20 @@ class ContinuousPolicy:
         return self.replica.engine.expected_batch_ms() + self.replica.engine.expected_step_ms()
 
     def room(self) -> tuple[int, int, int]:
-        c, free = self.replica.collector, self.free_slots()
+        c = self.replica.collector
         self._mark_urgent(self.replica.clock.now_ms())
+        free = self.joins_left()
         return min(c.num_free(), free), 0, max(0, free - len(c))
 
     def _mark_urgent(self, now_ms: float) -> None:
-        """Under the lock: a request that cannot wait for the next step joins first."""
-        self.replica.collector.urgent_before_ms = now_ms + self.replica.engine.expected_step_ms()
+        """Under the lock: a request that could not wait half a batch more joins first (slots
+        free in cohorts: the next ones may be that far)."""
+        self.replica.collector.urgent_before_ms = now_ms + self.replica.engine.expected_batch_ms() / 2
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
         self._mark_urgent(now_ms)
-        batch = r.collector.pop_batch(limit=self.free_slots())
+        batch = r.collector.pop_batch(limit=self.joins_left())
         if batch:
             r.busy = True
         return batch

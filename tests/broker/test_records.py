@@ -83,6 +83,7 @@ def test_a_registry_entry_reads_back_as_the_replica_wrote_it(state: redis.Redis)
         backend="fixed",
         max_batch=16,
         batch_ms=120.5,
+        join_ms=12.5,
         buffered=2,
         busy=True,
         host="h1",
@@ -99,7 +100,8 @@ def test_a_registry_entry_reads_back_as_the_replica_wrote_it(state: redis.Redis)
     assert (info.name, info.model, info.state, info.backend, info.host, info.pid) == (
         "r1", "kb-small", ReplicaState.SERVING, "fixed", "h1", 4242,
     )  # fmt: skip
-    assert (info.max_batch, info.batch_ms, info.buffered, info.busy, info.num_held) == (16, 120.5, 2, True, 3)
+    assert (info.max_batch, info.batch_ms, info.join_ms, info.buffered, info.busy) == (16, 120.5, 12.5, 2, True)
+    assert info.num_held == 3
     assert (info.num_batches, info.num_requests, info.last_batch_size, info.utilization) == (7, 40, 8, 0.5)
     assert info.dropped == {"cancelled": 0, "superseded": 0, "expired": 2, "gone": 0}
     assert (info.engine, info.clock_offset_ms, info.heartbeat_age_ms) == ({"steps": 12.0}, -1.5, 250.0)
