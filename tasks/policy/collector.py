@@ -155,11 +155,14 @@ class Collector:
         and when they start together a request just after a start waits a whole slot, and
         a queue admitted for staggered slots fills each of them in part. So under heavy
         load (the last batch at least `stagger_fill` full) a replica whose start falls less
-        than a gap after a peer's next start (each peer recently launched
-        runs a batch every `slot_ms`) follows it by a gap, slot / replicas; the peer,
-        which sees this replica after it, keeps its start. A replica pays one part-slot
-        once; the starts then stay spread. A start within `STAGGER_TOLERANCE` of a gap
-        after the peer's stays (jitter moves starts by a few ms every slot).
+        than a gap (slot / replicas) after a peer's latest launch follows it by that gap.
+        Only launches seen count, never one predicted from a peer's slot: of two replicas
+        about to start together, the one whose take comes second sees the other's launch
+        (the take reads the launches afresh, `Policy.spreads`) and moves; the first sees
+        only the other's launch a slot ago and keeps its start (predicted starts made both
+        move, and stay in phase). A replica pays one part-slot once; the starts then stay
+        spread. A start within `STAGGER_TOLERANCE` of a gap after the peer's stays (jitter
+        moves starts by a few ms every slot).
         """
         recent = [t for t in peer_launches_ms if start_ms - t < 2 * slot_ms]
         if not recent or self.last_batch < self.config.stagger_fill * self.config.max_batch:
@@ -172,9 +175,8 @@ class Collector:
         for _ in range(len(recent) + 1):
             moved = False
             for launch in recent:
-                peer_next = launch + math.ceil((staggered - close - launch) / slot_ms) * slot_ms
-                if peer_next < staggered < peer_next + close:
-                    staggered, moved = peer_next + gap, True
+                if launch < staggered < launch + close:
+                    staggered, moved = launch + gap, True
             if not moved:
                 break
         return max(start_ms, min(staggered, latest))

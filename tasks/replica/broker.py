@@ -113,13 +113,20 @@ class ReplicaBroker:
     def cancels_and_paid(
         self, model: str, ids: list[str], room: int, behind: int = 0, fill: int = 0
     ) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
+        reasons, jobs, _launches = self.take(model, ids, room, behind, fill)
+        return reasons, jobs
+
+    def take(
+        self, model: str, ids: list[str], room: int, behind: int = 0, fill: int = 0, launches: bool = False
+    ) -> tuple[dict[str, str], list[tuple[p.Job, str]], list[float] | None]:
         """One round trip: the cancel reason of each of `ids` that has one, and requests
         still in the queue, with their raw messages: up to `room` paid ones (and `behind`
         free ones in line) that would otherwise ride behind requests already buffered, and
         up to `fill` more of any tier, paid first, for the seats the buffer leaves empty
-        (what the consumer has not pulled yet rides this batch, not the next)."""
-        if not ids and not room and not behind and not fill:
-            return {}, []
+        (what the consumer has not pulled yet rides this batch, not the next); with
+        `launches`, the peers' latest launches too (as `settle` reads them)."""
+        if not ids and not room and not behind and not fill and not launches:
+            return {}, [], None
         pipe = self.redis.pipeline(transaction=False)
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
@@ -130,7 +137,10 @@ class ReplicaBroker:
             pipe.rpop(keys.queue_key(model, PAID), room)
         if behind and not fill:
             pipe.rpop(keys.queue_key(model, FREE), behind)
+        if launches:
+            pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
         results = pipe.execute()
+        peer_launches = self._others(results.pop()) if launches else None
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
         raws = [raw for popped in results[1 if ids else 0 :] for raw in popped or []]
@@ -145,7 +155,7 @@ class ReplicaBroker:
             # The client does not decode replies: the values are bytes.
             values = cast("list[bytes | None]", self.redis.mget([keys.cancel_key(i) for i in late]))
             reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
-        return reasons, jobs
+        return reasons, jobs, peer_launches
 
     # -- settle: who left the buffer, and the claim -------------------------------------
 

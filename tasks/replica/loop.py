@@ -76,11 +76,15 @@ class Loop:
         # the queue: paid ones that would otherwise ride behind free ones already buffered
         # (and free ones in line behind buffered requests of a tenant beyond its share), and
         # any, paid first, for the seats the buffer leaves empty.
-        reasons, late_paid = r.broker.cancels_and_paid(r.model, ids + list(r.joined), room, behind, fill)
+        spreads = self.policy.spreads()
+        reasons, late_paid, launches = r.broker.take(r.model, ids + list(r.joined), room, behind, fill, spreads)
         now = r.clock.now_ms()
         self._abort_gone_running(reasons, now)
         with r.cond:
             dropped = self._add_late_paid_and_drop_gone(late_paid, reasons, now)
+            if launches is not None:  # the peers' phases as of now: a batch not full waits for its own
+                r.gate.peers(launches=launches)
+                r.collector.stagger_from(r.gate.peer_launches, r.collector.last_batch, now)
             batch = self.policy.pop(now)
         if late_paid:  # those launched now are recorded by the launch itself (`settle`)
             launched = {pending.id for pending in batch}
@@ -183,8 +187,6 @@ class Loop:
         r.stats.ran(len(jobs), batch_size)
         if launches is not None:
             r.gate.peers(launches=launches)
-            with r.cond:  # the phase of the next batch, now that this one is done
-                r.collector.stagger_from(r.gate.peer_launches, len(jobs), r.clock.now_ms())
 
     def result(self, job: p.Job, out: StepOutput, batch_size: int, start: float, end: float) -> p.Result | p.Failed:
         r = self.replica

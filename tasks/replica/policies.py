@@ -62,6 +62,10 @@ class Policy(Protocol):
         """Record late paid requests that stay buffered as held."""
         ...
 
+    def spreads(self) -> bool:
+        """Does a take read the peers' launches, to spread this replica's starts from theirs?"""
+        ...
+
     def run(self, batch: list[Pending], turn_started_ms: float) -> None: ...
 
     def takes(self) -> bool:
@@ -188,6 +192,13 @@ class StaticPolicy:
 
     def record(self, jobs: list[p.Job]) -> None:
         self.hold(jobs)
+
+    def spreads(self) -> bool:
+        """The next batch is taken before the last one is answered (overlapped), so the
+        launches an answer brings are a batch old: a take reads them afresh (one command in
+        its round trip), and a batch that is not full waits for its phase there
+        (`Collector.stagger_from`)."""
+        return True
 
     def run(self, batch: list[Pending], took_ms: float) -> None:
         """Stage the batch for the engine, which starts it the moment it is free (`took_ms`:
@@ -341,6 +352,9 @@ class ContinuousPolicy:
 
     def record(self, jobs: list[p.Job]) -> None:
         self.replica.broker.record_held(jobs)
+
+    def spreads(self) -> bool:
+        return False  # requests join at every step: no phase to keep
 
     def running(self) -> bool:
         return False  # what runs is in the replica's `joined`

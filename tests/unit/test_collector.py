@@ -147,7 +147,9 @@ def test_a_saturated_replica_follows_a_peer_that_starts_just_before_it_by_a_gap(
     assert c.last_batch == 4
     # Two replicas: a gap of 125. A peer that launched 10 ms before: follow it by the gap.
     assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1115.0
-    # A peer whose next start (1010) comes after this one's: the peer moves, this one keeps its start.
+    # A peer that launched a slot ago less 10 ms: its next start is not predicted from it (two
+    # replicas that each predicted the other's both moved); this one keeps its start, and
+    # the peer, whose take comes after this one's launch, moves.
     assert c.staggered_start_ms(1000.0, [760.0], 250.0) == 1000.0
     # Within a tenth of a gap of even: left as it is.
     assert c.staggered_start_ms(1000.0, [880.0], 250.0) == 1000.0
