@@ -13,7 +13,8 @@ starts next:
 - Either way a busy replica pulls from `lead_ms` before it expects to be free, so its
   next batch is buffered when the running one ends.
 - A continuous engine pulls enough to fill its free slots (with those the step under
-  way frees: no request waits in its buffer for a slot that frees later).
+  way frees), and one behind them: no more waits in its buffer for a slot that frees
+  later while another replica's is free.
 
 The replica tells the gate when a batch starts and ends and what it learned about its
 peers (on the broker round trips it makes anyway); the consumer's loop asks `wants`
@@ -77,7 +78,7 @@ class PullGate:
         """May a continuous engine's replica pull another now?"""
         if self.stopping:
             return False
-        return buffered < free_slots
+        return buffered < free_slots + 1  # and one behind a full engine, for the seat that frees first
 
     def peers_free_first(self, now_ms: float, batch_ms: float) -> list[float]:
         """The expected ends of the peers' batches that fall between now and this replica's end."""

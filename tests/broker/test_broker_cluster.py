@@ -117,6 +117,7 @@ class Scripts:
         self.sweep_one = strict(lua.SWEEP_ONE_LUA)
         self.sweep_dead = strict(lua.SWEEP_DEAD_LUA)
         self.rescue = strict(lua.RESCUE_LUA)
+        self.take_queued = strict(lua.TAKE_QUEUED_LUA)
 
 
 def _admit(
@@ -166,6 +167,7 @@ def _now_ms(client: RedisCluster) -> float:
 def test_the_scripts_here_are_all_the_projects_scripts() -> None:
     assert set(lua.SOURCES) == {
         "ADMIT", "CANCEL", "RECORD", "CLAIM", "DELIVER", "STREAM", "SWEEP_ONE", "SWEEP_DEAD", "RESCUE",
+        "TAKE_QUEUED",
     }  # fmt: skip  # a new script joins Scripts and the test below
 
 
@@ -244,6 +246,12 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [
         b'{"properties":{"priority":0},"body":"MSG-att-f"}'
     ]  # the message its owner record kept
+
+    # A take fills empty seats from the model's lists, paid first, no more than the total.
+    lists = [keys.queue_key(MODEL, "paid"), keys.queue_key(MODEL, "free"), keys.queue_key(MODEL, "free", behind=True)]
+    cluster.lpush(lists[1], "free-1", "free-2")
+    taken = s.take_queued(keys=lists, args=[2, 1, 2, 2])  # two in all, one paid at most
+    assert taken == [b'{"properties":{"priority":0},"body":"MSG-att-f"}', b"free-1"]
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

@@ -89,7 +89,7 @@ def _result(attempt: str) -> str:
 
 def test_admission_admits_then_joins_a_retry_from_another_gateway(state: redis.Redis) -> None:
     first = _admit(state, "acme:r1", "a1", "gw-a")
-    assert first == scripts.AdmitAnswer(Admission.ADMITTED, 0, -1, 0, 0, b"")  # free lists: not ahead, not counted
+    assert first == scripts.AdmitAnswer(Admission.ADMITTED, 0, 0, 0, 0, b"")  # free in line: counted for paid too
     assert isinstance(first.status, Admission)
     assert state.llen(keys.queue_key(MODEL, "paid")) == 1
     assert not state.exists(keys.traffic_key(int(NOW_MS // 1000)))  # the gateway counts arrivals itself
@@ -105,7 +105,7 @@ def test_admission_admits_then_joins_a_retry_from_another_gateway(state: redis.R
 def test_admission_counts_the_queue_it_found_and_refuses_past_the_deepest_position(state: redis.Redis) -> None:
     assert _admit(state, "acme:r1", "a1").status == Admission.ADMITTED
     deep = _admit(state, "acme:r2", "a2", deepest=1)
-    assert (deep.status, deep.paid, deep.free) == (Admission.TOO_DEEP, 1, -1)  # free is not ahead of paid
+    assert (deep.status, deep.paid, deep.free) == (Admission.TOO_DEEP, 1, 0)  # free in line counts for paid too
 
 
 def test_admission_counts_past_expired_entries_that_a_replica_heartbeat_trims(state: redis.Redis) -> None:

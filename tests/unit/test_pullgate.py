@@ -67,10 +67,11 @@ def test_a_stopping_replica_pulls_nothing() -> None:
     assert not gate.wants_continuous(buffered=0, free_slots=8)
 
 
-def test_a_continuous_replica_pulls_for_its_free_slots_only() -> None:
+def test_a_continuous_replica_pulls_for_its_free_slots_and_one_behind() -> None:
     # `free_slots` counts the seats the step under way frees (`Engine.frees_after_step`): no
-    # request waits in the buffer for a seat that frees later, while another replica's is free.
+    # more than one request waits in the buffer for a seat that frees later.
     gate = PullGate(max_batch=16)
-    assert gate.wants_continuous(buffered=2, free_slots=3)
-    assert not gate.wants_continuous(buffered=3, free_slots=3)
-    assert not gate.wants_continuous(buffered=0, free_slots=0)
+    assert gate.wants_continuous(buffered=3, free_slots=3)
+    assert not gate.wants_continuous(buffered=4, free_slots=3)
+    assert gate.wants_continuous(buffered=0, free_slots=0)  # one behind a full engine
+    assert not gate.wants_continuous(buffered=1, free_slots=0)
