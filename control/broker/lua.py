@@ -640,7 +640,9 @@ ADMIT_LUA = (
 # behind): from each list up to its own cap, and no more than the total over all of them,
 # so free requests fill only the seats paid ones left. KEYS: the lists; ARGV: the total,
 # then each list's cap. Returns the raw messages, oldest of each list first.
-TAKE_QUEUED_LUA = PRELUDE + """
+TAKE_QUEUED_LUA = (
+    PRELUDE
+    + """
 local out, left = {}, tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
   local n = math.min(left, tonumber(ARGV[i + 1]))
@@ -654,6 +656,7 @@ for i, key in ipairs(KEYS) do
 end
 return out
 """
+)
 
 # Every script by its name (the broker bench names EVALSHA calls by these).
 SOURCES = {
