@@ -112,9 +112,9 @@ class Verdict(IntEnum):
 
 
 def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
-    """1-based queue position of a new request: behind every request in line (the order
-    in which they run puts paid ones first only where no deadline is missed for it)."""
-    return paid_waiting + free_waiting + 1
+    """1-based queue position of a new request in line (`lane_position` without the lists
+    of requests behind other keys' ones)."""
+    return lane_position(tier, Depths(paid=paid_waiting, free=free_waiting), behind=False)
 
 
 def predict_ms(position: int, capacity: Capacity) -> float:

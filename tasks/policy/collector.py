@@ -169,8 +169,6 @@ class Collector:
             return start_ms
         gap = slot_ms / (len(recent) + 1)
         close = gap * (1 - STAGGER_TOLERANCE)
-        # Never past the last start of the tightest request buffered (`launch_at`'s bound).
-        latest = min((self.latest_start_ms(p) - LAUNCH_LEAD_MS for p in self.waiting), default=math.inf)
         staggered = start_ms
         for _ in range(len(recent) + 1):
             moved = False
@@ -179,6 +177,10 @@ class Collector:
                     staggered, moved = launch + gap, True
             if not moved:
                 break
+        if staggered == start_ms:  # asked at every wake of the loop: most often nothing moves
+            return start_ms
+        # Never past the last start of the tightest request buffered (`launch_at`'s bound).
+        latest = min((self.latest_start_ms(p) - LAUNCH_LEAD_MS for p in self.waiting), default=math.inf)
         return max(start_ms, min(staggered, latest))
 
     def wait_ms(self, now_ms: float) -> float | None:

@@ -130,13 +130,9 @@ class ReplicaBroker:
         pipe = self.redis.pipeline(transaction=False)
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
-        if fill:
+        if room or behind or fill:
             lists = [keys.queue_key(model, PAID), keys.queue_key(model, FREE), keys.queue_key(model, FREE, True)]
             self._take_queued(lists, [room + behind + fill, room + fill, behind + fill, fill], client=pipe)
-        elif room:
-            pipe.rpop(keys.queue_key(model, PAID), room)
-        if behind and not fill:
-            pipe.rpop(keys.queue_key(model, FREE), behind)
         if launches:
             pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
         results = pipe.execute()

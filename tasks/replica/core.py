@@ -65,7 +65,7 @@ class ReplicaCore:
         self.is_polling: Callable[[], bool] = lambda: False  # the consumer has a pull outstanding
         self.quiet_since: float | None = None  # monotonic ms since a draining replica held nothing
         self.joined: dict[str, tuple[Pending, float]] = {}  # continuous: running requests, when each joined
-        self.frees_next = 0  # continuous: running requests the step under way finishes
+        self.frees_next = 0  # continuous: running requests the step under way finishes (set by its thread)
         self.loop_times = [0.0, 0]  # continuous: ms spent in turns of the loop that stepped, and those turns
         self.moving_to = ""  # the model a move loads once the replica is drained
         self.batch_started = 0.0  # monotonic ms of the running batch's (or step's) start
@@ -110,9 +110,14 @@ class ReplicaCore:
         if not self.is_taking():
             return False
         if self.engine.continuous:
-            free = max(0, self.engine.max_batch + self.frees_next - len(self.joined))
-            return self.gate.wants_continuous(len(self.collector), free)
+            return self.gate.wants_continuous(len(self.collector), self.free_seats())
         return self.gate.wants(self.clock.now_ms(), len(self.collector), self.engine.expected_batch_ms())
+
+    def free_seats(self) -> int:
+        """Continuous: requests that may be staged to join, the engine's slots not running
+        nor staged and as many more as the step under way finishes (`Engine.frees_after_step`),
+        which join at the step after it."""
+        return max(0, self.engine.max_batch + self.frees_next - len(self.joined))
 
     def reopens_at_ms(self) -> float | None:
         """When a shut gate opens again by itself (None: not before work leaves)."""

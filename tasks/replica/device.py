@@ -152,7 +152,6 @@ class StepDevice(_EngineThread):
         self.aborts: list[str] = []
         self.done: deque[Stepped] = deque()
         self.stepping = False  # the engine holds work (or a step runs)
-        self.frees_next = 0  # requests the step running now finishes (`Engine.frees_after_step`)
 
     # -- under the replica's lock ---------------------------------------------------
 
@@ -193,8 +192,7 @@ class StepDevice(_EngineThread):
                 self._count(began, monotonic_ms())
             with r.cond:
                 self.stepping = r.engine.has_unfinished()
-                self.frees_next = r.engine.frees_after_step() if self.stepping else 0
-                r.frees_next = self.frees_next
+                r.frees_next = r.engine.frees_after_step() if self.stepping else 0
                 if running or refused_outputs:  # every step: the loop checks cancels between steps
                     self.done.append(Stepped(outputs, refused_outputs, running, joined, joined_ms, r.clock.now_ms()))
                 r.cond.notify_all()

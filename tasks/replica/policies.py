@@ -111,16 +111,17 @@ class StaticPolicy:
         and settle (at most a tenth of a batch), so it is staged when the engine is free."""
         return min(max(MIN_LEAD_MS, self._measured_lead_ms), self.replica.engine.expected_batch_ms() / 10)
 
-    def _engine_in_ms(self) -> float | None:
+    def _engine_in_ms(self, now_ms: float, start_ms: float | None = None) -> float | None:
         """Under the lock: how long until a batch taken now is due on the engine (0: now);
-        None while one is staged already."""
+        None while one is staged already. `start_ms`: `_start_at(now_ms)`, if known."""
         if self.device.staged is not None:
             return None
-        now = self.replica.clock.now_ms()
-        return max(0.0, self._start_at(now) - now - self.lead_ms())
+        start = self._start_at(now_ms) if start_ms is None else start_ms
+        return max(0.0, start - now_ms - self.lead_ms())
 
     def _start_at(self, now_ms: float) -> float:
-        """Under the lock: when the next batch starts, the engine free and the starts spread."""
+        """Under the lock: when the next batch starts, the engine free and the starts spread
+        (and so whether the gate holds back, `PullGate.holding`)."""
         r = self.replica
         frees_at = now_ms + self.device.frees_in_ms(monotonic_ms())
         start = r.collector.staggered_start_ms(frees_at, r.gate.peer_launches, self._slot_ms())
@@ -131,8 +132,8 @@ class StaticPolicy:
         """One batch slot of this replica: its measured cycle, never less than its batch."""
         return max(self.replica.engine.expected_batch_ms(), self.replica.perf.cycle_ms())
 
-    def _due(self, now_ms: float) -> bool:
-        return self._is_due(self.replica.collector.wait_ms(now_ms), self._engine_in_ms())
+    def _due(self, now_ms: float, start_ms: float | None = None) -> bool:
+        return self._is_due(self.replica.collector.wait_ms(now_ms), self._engine_in_ms(now_ms, start_ms))
 
     def _is_due(self, wait: float | None, engine_in: float | None) -> bool:
         """A batch is due (the collector's `wait`) and the engine takes it soon (`engine_in`)."""
@@ -148,7 +149,7 @@ class StaticPolicy:
                 wait = r.collector.wait_ms(now)
                 if wait is None and r.stopping and self.device.idle():
                     return None
-                engine_in = self._engine_in_ms()
+                engine_in = self._engine_in_ms(now)
                 if self._is_due(wait, engine_in):
                     return True
                 renew_in = r.lease.due_in_ms()
@@ -176,15 +177,17 @@ class StaticPolicy:
         self._mark_urgent(self.replica.clock.now_ms())
         return c.num_free(), c.num_behind(), max(0, c.config.max_batch - len(c))
 
-    def _mark_urgent(self, now_ms: float) -> None:
+    def _mark_urgent(self, now_ms: float, start_ms: float | None = None) -> None:
         """Under the lock: what must ride the batch taken now is what cannot wait for this
         replica's batch after it, one measured slot after this one starts."""
-        self.replica.collector.urgent_before_ms = max(now_ms, self._start_at(now_ms)) + self._slot_ms()
+        start = self._start_at(now_ms) if start_ms is None else start_ms
+        self.replica.collector.urgent_before_ms = max(now_ms, start) + self._slot_ms()
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
-        self._mark_urgent(now_ms)
-        batch = r.collector.pop_batch() if self._due(now_ms) else []
+        start = self._start_at(now_ms)  # once: the urgent mark and the due check both read it
+        self._mark_urgent(now_ms, start)
+        batch = r.collector.pop_batch() if self._due(now_ms, start) else []
         if batch:  # it starts when the engine frees
             r.gate.start(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
             r.batch_started = monotonic_ms()
@@ -290,24 +293,19 @@ class ContinuousPolicy:
         self.loop = loop
         self.device = StepDevice(replica)
 
-    def free_slots(self) -> int:
-        """Requests a take may bring to join: the engine's slots not running nor staged, and
-        as many more as the step under way finishes (`Engine.frees_after_step`), which wait
-        staged to join at the step after it: a slot a step frees is filled at the next one,
-        and no request waits staged for a slot that frees later."""
-        r = self.replica
-        return max(0, r.engine.max_batch + self.device.frees_next - len(r.joined))
-
     def joins_left(self) -> int:
         """Under the lock: how many more may be staged to join at the next step. A step
         takes at most its share of a batch (`max_batch` over a request's steps) and the
         urgent ones beyond it: the engine's slots then free a step's share at every step,
         not in cohorts, and a queued request waits a step for a slot, not a batch."""
         r = self.replica
+        seats = r.free_seats()  # a slot a step frees is filled at the next one, no later
         steps = max(1.0, r.engine.expected_batch_ms() / max(r.engine.expected_step_ms(), 1e-3))
-        share = math.ceil(r.engine.max_batch / steps)
+        left = math.ceil(r.engine.max_batch / steps) - len(self.device.joins)
+        if left >= seats:  # the share does not bind: the urgent ones need no count
+            return seats
         urgent = sum(1 for pending in r.collector.waiting if r.collector.is_urgent(pending))
-        return min(self.free_slots(), max(share - len(self.device.joins), urgent))
+        return min(seats, max(left, urgent))
 
     def wait(self) -> bool | None:
         r = self.replica
