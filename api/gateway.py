@@ -145,6 +145,7 @@ class Gateway:
         self._depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
         self._tenants = {tier: _tenant_policy(settings, tier) for tier in TIERS}
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
+        self._key_rates = admission.KeyMeters()  # admissions per tier and key (this process)
         # Set by the server: False once this process was told to stop (it then
         # finishes what it holds but admits nothing new, and /readyz says so).
         self.is_serving: Callable[[], bool] = lambda: True
@@ -228,6 +229,8 @@ class Gateway:
             if verdict == Verdict.ADMIT:
                 if job.tier == PAID:
                     self._paid_rate[job.model].add(now)
+                if waiter.enqueued:  # not a join, nor a kept answer: it takes a place in line
+                    self._key_rates.add(job.model, job.tier, p.tenant_of(job.key), now)
                 self.metrics.inflight.inc()
                 return waiter
         self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
@@ -352,7 +355,11 @@ class Gateway:
     ) -> TenantTerms:
         """What the admission script counts the request against its tenant by."""
         policy = self._tenants[job.tier]
-        limits = admission.tenant_limits(deepest, capacity, policy)
+        # Each process sees its share of every key's traffic (connections spread evenly).
+        others = self._key_rates.others_rps(job.model, job.tier, tenant, self.clock.now_ms())
+        others *= self.settings.api_processes
+        horizon = admission.latest_start_ms(job.deadline_ms - job.received_ms, capacity, self.limits)
+        limits = admission.tenant_limits(deepest, capacity, policy, others, horizon)
         return TenantTerms(
             waiting_paid_behind=lane.waiting_paid_behind,
             waiting_free_behind=lane.waiting_free_behind,

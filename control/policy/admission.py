@@ -266,20 +266,60 @@ class Depths:
     free_behind: int = 0
 
 
-def tenant_limits(deepest: int, capacity: Capacity, policy: TenantPolicy) -> TenantLimits:
+LONE_HORIZON_MS = 1000.0  # how soon another key's traffic shows in the meters (`KeyMeters`)
+
+
+def tenant_limits(
+    deepest: int, capacity: Capacity, policy: TenantPolicy, others_rps: float | None = None, horizon_ms: float = 0.0
+) -> TenantLimits:
     """A key's share of the queue for a request whose deepest admissible position is `deepest`.
 
     A key may always hold its fair depth (a batch): with a short queue (a 600 ms budget
     admits two slots, less the paid reserve for a free request) a share of it alone left
     a lone key's batches part empty while its requests were refused. A request behind
     other keys' ones is admitted to the same depth: the lists in line overtake it only
-    while other keys have requests there, which their rate bounds."""
+    while other keys have requests there, which their rate bounds.
+
+    With the other keys' rate known (`others_rps`, the tier's admissions less this key's),
+    a request that starts within `horizon_ms` may take the queue its share would leave
+    empty, less room for what the other keys bring by then (and its spread): a lone key is
+    refused only where the queue is full. Only within `LONE_HORIZON_MS`, the time a new
+    key's traffic takes to show in the rate: a request that waits longer stays in its
+    share, which holds room for keys not seen yet."""
     fair = max(1, math.ceil(policy.fair_batches * capacity.max_batch))
-    return TenantLimits(
-        fair_depth=fair,
-        max_queued=max(math.floor(policy.share * deepest), fair),
-        deepest_behind=deepest,
-    )
+    share = math.floor(policy.share * deepest)
+    if others_rps is not None and horizon_ms <= LONE_HORIZON_MS:
+        share = max(share, deepest - paid_reserve(others_rps, horizon_ms))
+    return TenantLimits(fair_depth=fair, max_queued=max(share, fair), deepest_behind=deepest)
+
+
+def latest_start_ms(budget_ms: float, capacity: Capacity, limits: Limits) -> float:
+    """How long after its arrival a request of this budget may start at the latest."""
+    return budget_ms - limits.margin_ms - capacity.slot_ms - capacity.join_ms
+
+
+class KeyMeters:
+    """Admissions per second of each tier and of each key in it (this process's, on the
+    clock given): what the other keys of a key's tier bring is the tier's rate less the key's."""
+
+    MAX_KEYS = 4096  # beyond this many keys metered, the idle ones are dropped
+
+    def __init__(self, window_ms: float = LONE_HORIZON_MS) -> None:
+        self.window_ms = window_ms
+        self._tiers: dict[tuple[str, Tier], RateMeter] = {}
+        self._keys: dict[tuple[str, Tier, str], RateMeter] = {}
+
+    def add(self, model: str, tier: Tier, key: str, now_ms: float) -> None:
+        self._tiers.setdefault((model, tier), RateMeter(self.window_ms)).add(now_ms)
+        if (model, tier, key) not in self._keys and len(self._keys) >= self.MAX_KEYS:
+            self._keys = {k: m for k, m in self._keys.items() if m.rate(now_ms) > 0}
+        self._keys.setdefault((model, tier, key), RateMeter(self.window_ms)).add(now_ms)
+
+    def others_rps(self, model: str, tier: Tier, key: str, now_ms: float) -> float:
+        tier_meter, key_meter = self._tiers.get((model, tier)), self._keys.get((model, tier, key))
+        total = tier_meter.rate(now_ms) if tier_meter else 0.0
+        own = key_meter.rate(now_ms) if key_meter else 0.0
+        return max(0.0, total - own)
 
 
 def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:

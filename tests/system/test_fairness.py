@@ -63,6 +63,17 @@ def test_a_flooding_free_key_leaves_another_free_key_and_paid_their_share() -> N
     assert flood["status_504"] <= 0.05 * flood["sent"], flood["codes"]  # the flood is refused, not left to expire
 
 
+def test_a_key_alone_in_its_tier_may_fill_the_queue_beyond_its_share() -> None:
+    # One replica of 8 per 250 ms, 1000 ms budgets: two slots wait, 16 positions, a key's
+    # share of them 8. Alone in the tier, its burst of 16 fits (one runs at once, the rest
+    # take the next two batches); before, every one beyond the 8th queued was refused.
+    with deployment(workers=1, max_batch="8", api_keys=KEYS) as kb:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: kb.post(key=FREE_KEY, **{"X-Deadline-Ms": "1000"}), range(16)))
+    codes = [a.status_code if a.status_code == 200 else a.json()["error"]["code"] for a in answers]
+    assert codes == [200] * 16, codes
+
+
 def test_a_queued_request_that_leaves_releases_its_keys_share() -> None:
     # One replica, one request a batch: the first holds the replica, the next queues.
     with deployment(workers=1, max_batch="1", batch_ms="400", api_keys=KEYS) as kb:

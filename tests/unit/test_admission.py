@@ -154,3 +154,45 @@ def test_continuous_replicas_admit_the_seats_that_free_by_the_latest_join_less_a
     continuous = Capacity(2, 32, 250.0, 250.0, join_ms=50.0)
     assert max_position("paid", 600.0, continuous, LIMITS) == 60
     assert max_position("paid", 600.0, Capacity(2, 32, 250.0, 250.0), LIMITS) == 64  # static: two slots
+
+
+def test_a_lone_key_may_fill_a_short_queue_less_what_other_keys_bring() -> None:
+    from control.policy.admission import TenantPolicy, tenant_limits
+
+    policy = TenantPolicy(share=0.5)
+    # 2 x 64 at a 600 ms budget: 128 positions, a share of 64. Alone in its tier, a key's
+    # request that starts within 335 ms may take them all.
+    assert tenant_limits(128, CAP, policy, others_rps=0.0, horizon_ms=335.0).max_queued == 128
+    # Others bring 100 req/s: 33.5 by then, and one standard deviation (5.8) more.
+    assert tenant_limits(128, CAP, policy, others_rps=100.0, horizon_ms=335.0).max_queued == 128 - 40
+    # Many others: never below the share.
+    assert tenant_limits(128, CAP, policy, others_rps=1000.0, horizon_ms=335.0).max_queued == 64
+    # A long wait: keys not seen yet may come before it starts; the share holds.
+    assert tenant_limits(400, CAP, policy, others_rps=0.0, horizon_ms=3700.0).max_queued == 200
+    assert tenant_limits(128, CAP, policy).max_queued == 64  # no rates known: the share
+
+
+def test_key_meters_give_what_the_other_keys_of_a_tier_bring() -> None:
+    from control.policy.admission import KeyMeters
+
+    meters = KeyMeters()
+    for i in range(200):  # one key at 100 req/s for 2 s
+        meters.add("m", "free", "a", i * 10.0)
+    assert meters.others_rps("m", "free", "a", 2000.0) == 0.0  # alone in its tier
+    for i in range(40):  # another at 20 req/s
+        meters.add("m", "free", "b", 2000.0 + i * 50.0)
+        meters.add("m", "paid", "c", 2000.0 + i * 50.0)  # another tier does not count
+    assert 15.0 <= meters.others_rps("m", "free", "a", 4000.0) <= 25.0
+    assert meters.others_rps("m", "free", "new", 4000.0) == meters._tiers[("m", "free")].rate(4000.0)
+    assert meters.others_rps("other-model", "free", "a", 4000.0) == 0.0
+
+
+def test_key_meters_drop_idle_keys_beyond_their_bound() -> None:
+    from control.policy.admission import KeyMeters
+
+    meters = KeyMeters()
+    meters.MAX_KEYS = 3
+    for i, key in enumerate("abc"):
+        meters.add("m", "free", key, i * 1.0)
+    meters.add("m", "free", "d", 10_000.0)  # a, b, c idle for seconds: dropped
+    assert set(k[2] for k in meters._keys) == {"d"}
