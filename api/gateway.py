@@ -144,8 +144,8 @@ class Gateway:
         self._joining: dict[str, int] = {}
         self._depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
         self._tenants = {tier: _tenant_policy(settings, tier) for tier in TIERS}
-        self._paid_rate: dict[str, admission.RateMeter] = {}  # paid admissions per model (this process)
-        self._key_rates = admission.KeyMeters()  # admissions per tier and key (this process)
+        self._paid_rate: dict[str, admission.RateMeter] = {}  # paid requests per model (this process)
+        self._key_rates = admission.KeyMeters()  # requests per tier and key (this process)
         # Set by the server: False once this process was told to stop (it then
         # finishes what it holds but admits nothing new, and /readyz says so).
         self.is_serving: Callable[[], bool] = lambda: True
@@ -211,8 +211,14 @@ class Gateway:
         if verdict == Verdict.ADMIT:
             now = self.clock.now_ms()
             # Each process sees its share of the paid traffic (connections spread evenly).
+            # Every request that asks counts, refused ones too: paid requests refused while
+            # free ones fill the queue, or a key refused while another fills it, are seen,
+            # and the room kept for them grows.
             meter = self._paid_rate.setdefault(job.model, admission.RateMeter())
+            if job.tier == PAID:
+                meter.add(now)
             paid_rate = meter.rate(now) * self.settings.api_processes
+            self._key_rates.add(job.model, job.tier, p.tenant_of(job.key), now)
             deepest = admission.max_position(job.tier, budget, capacity, self.limits, paid_rate)
             position = self._recent_position(job)
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
@@ -227,10 +233,6 @@ class Gateway:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
             if verdict == Verdict.ADMIT:
-                if job.tier == PAID:
-                    self._paid_rate[job.model].add(now)
-                if waiter.enqueued:  # not a join, nor a kept answer: it takes a place in line
-                    self._key_rates.add(job.model, job.tier, p.tenant_of(job.key), now)
                 self.metrics.inflight.inc()
                 return waiter
         self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
@@ -413,8 +415,9 @@ class Gateway:
             return True
         if waiter.item is not None:
             return False
-        gone = hangup is not None and waiter.job.deadline_ms > self.clock.now_ms()
-        if gone:
+        # Gone only if the client's socket said so: the wait's timer may end a little before
+        # the clock reads the deadline, and a client still there must then get its 504.
+        if hangup is not None and cast("threading.Event", hangup).is_set():
             self._gone(waiter)
             return False
         # At the deadline with the broker silent, the broker is why: 503, not 504.

@@ -636,8 +636,8 @@ ADMIT_LUA = (
 )
 
 
-# A take's pop from the model's queue lists, in the order given (paid, free in line, free
-# behind): from each list up to its own cap, and no more than the total over all of them,
+# A take's pop from the model's queue lists, in the order given (paid in line, paid behind,
+# free in line, free behind): from each list up to its own cap, and no more than the total over all of them,
 # so free requests fill only the seats paid ones left. KEYS: the lists; ARGV: the total,
 # then each list's cap. Returns the raw messages, oldest of each list first.
 TAKE_QUEUED_LUA = (

@@ -131,8 +131,15 @@ class ReplicaBroker:
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
         if room or behind or fill:
-            lists = [keys.queue_key(model, PAID), keys.queue_key(model, FREE), keys.queue_key(model, FREE, True)]
-            self._take_queued(lists, [room + behind + fill, room + fill, behind + fill, fill], client=pipe)
+            # A paid request behind other paid keys' ones ranks as paid (tasks/policy/collector.py).
+            lists = [
+                keys.queue_key(model, PAID),
+                keys.queue_key(model, PAID, True),
+                keys.queue_key(model, FREE),
+                keys.queue_key(model, FREE, True),
+            ]
+            caps = [room + behind + fill, room + fill, room + fill, behind + fill, fill]
+            self._take_queued(lists, caps, client=pipe)
         if launches:
             pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
         results = pipe.execute()

@@ -12,6 +12,7 @@ import redis
 from control.broker import keys, records, scripts
 from control.broker.leases import release_replica
 from control.broker.scripts import Admission
+from control.core import protocol as p
 from control.fleet.valkey import EmbeddedBroker
 
 MODEL = "kb-small"
@@ -238,3 +239,26 @@ def test_rescue_pushes_back_a_request_a_dead_replica_popped_and_never_recorded(s
     assert rescue(265, [offer]) == 1
     assert rescue(265, [offer]) == 0  # it is in its queue now
     assert state.lrange(queue, 0, -1) == [message.encode()]
+
+
+def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: redis.Redis) -> None:
+    from control.broker.envelope import TaskMessages
+    from control.core.settings import Settings
+    from tasks.celery.app import make_celery
+    from tasks.replica.broker import ReplicaBroker
+
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+
+    def job(i: int, tier: str) -> p.Job:
+        return p.Job(id=f"{i:032d}", key=f"t:{i}", model=MODEL, prompt="x", gateway="g", received_ms=0,
+                     deadline_ms=FAR_MS, tier=tier)  # fmt: skip
+
+    state.lpush(keys.queue_key(MODEL, "paid", behind=True), messages(job(1, "paid")))
+    state.lpush(keys.queue_key(MODEL, "free"), messages(job(2, "free")))
+    state.lpush(keys.queue_key(MODEL, "free", behind=True), messages(job(3, "free")))
+    broker = ReplicaBroker(state, "r1", messages)
+    _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=2)
+    # A paid request behind other paid keys' ones ranks as paid: it takes the first seat.
+    assert [j.id for j, _raw in taken] == [f"{1:032d}", f"{2:032d}"]
+    _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=2)
+    assert [j.id for j, _raw in taken] == [f"{3:032d}"]
