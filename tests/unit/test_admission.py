@@ -148,11 +148,11 @@ def test_a_lone_key_may_hold_a_batch_of_a_short_queue() -> None:
     assert tenant_limits(400, CAP, TenantPolicy(share=0.5)).max_queued == 200
 
 
-def test_continuous_replicas_admit_the_seats_that_free_by_the_latest_join_less_a_step() -> None:
+def test_continuous_replicas_admit_the_seats_that_free_by_the_latest_join_less_two_steps() -> None:
     # Two replicas of 32, 250 ms a request in steps of 50: 256 seats free a second. A 600 ms
-    # budget joins by 600 - 15 - 250 - 50 = 285 ms; the seats that free by a step less: 60.
+    # budget joins by 600 - 15 - 250 - 50 = 285 ms; the seats that free by two steps less: 47.
     continuous = Capacity(2, 32, 250.0, 250.0, join_ms=50.0)
-    assert max_position("paid", 600.0, continuous, LIMITS) == 60
+    assert max_position("paid", 600.0, continuous, LIMITS) == 47
     assert max_position("paid", 600.0, Capacity(2, 32, 250.0, 250.0), LIMITS) == 64  # static: two slots
 
 
