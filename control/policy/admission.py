@@ -348,6 +348,8 @@ class KeyMeters:
         self._tiers.setdefault((model, tier), _AlignedRate()).add(index)
         if (model, tier, key) not in self._keys and len(self._keys) >= self.MAX_KEYS:
             self._keys = {k: m for k, m in self._keys.items() if m.count(index, 0.0) > 0}
+            if len(self._keys) >= self.MAX_KEYS // 2:  # that many active: start afresh, not a scan per new key
+                self._keys = {}  # a key not metered counts as none of the tier's traffic: never alone
         self._keys.setdefault((model, tier, key), _AlignedRate()).add(index)
 
     def others_rps(self, model: str, tier: Tier, key: str, now_ms: float) -> float:

@@ -196,3 +196,7 @@ def test_key_meters_drop_idle_keys_beyond_their_bound() -> None:
         meters.add("m", "free", key, i * 1.0)
     meters.add("m", "free", "d", 10_000.0)  # a, b, c idle for seconds: dropped
     assert set(k[2] for k in meters._keys) == {"d"}
+    for key in "efg":  # all active: the meters start afresh rather than scan for every new key
+        meters.add("m", "free", key, 10_001.0)
+    assert set(k[2] for k in meters._keys) == {"g"}
+    assert meters.others_rps("m", "free", "g", 10_002.0) > 0  # the tier's count stays: g is not alone
