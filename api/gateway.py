@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 FRESH_DEPTH_MS = 20.0  # queue depths seen this recently are trusted to refuse without Redis
 EARLY_KEEP_S = 2.0  # an answer kept for joins of its request that have not registered yet
+EARLY_REWAITS = 2  # a wait that ends before the clock reads the deadline waits again, so often
 
 Item = p.Result | p.Dropped | p.Cancelled | p.Failed
 
@@ -145,7 +146,7 @@ class Gateway:
         self._depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
         self._tenants = {tier: _tenant_policy(settings, tier) for tier in TIERS}
         self._paid_rate: dict[str, admission.RateMeter] = {}  # paid requests per model (this process)
-        self._key_rates = admission.KeyMeters()  # requests per tier and key (this process)
+        self._other_keys = admission.LastOtherKey()  # who asked lately, per tier (this process)
         # Set by the server: False once this process was told to stop (it then
         # finishes what it holds but admits nothing new, and /readyz says so).
         self.is_serving: Callable[[], bool] = lambda: True
@@ -208,17 +209,15 @@ class Gateway:
             self.fleet.refresh()
             capacity = self.fleet.capacity(job.model)
         verdict, position, retry_ms = admission.check(budget, capacity, self.limits), 0, 0.0
+        waiter: Waiter | None = None
         if verdict == Verdict.ADMIT:
             now = self.clock.now_ms()
             # Each process sees its share of the paid traffic (connections spread evenly).
-            # Every request that asks counts, refused ones too: paid requests refused while
-            # free ones fill the queue, or a key refused while another fills it, are seen,
-            # and the room kept for them grows.
             meter = self._paid_rate.setdefault(job.model, admission.RateMeter())
-            if job.tier == PAID:
-                meter.add(now)
             paid_rate = meter.rate(now) * self.settings.api_processes
-            self._key_rates.add(job.model, job.tier, p.tenant_of(job.key), now)
+            # Every key that asks is seen, refused or not: one refused while another fills
+            # the queue puts that one back to its share.
+            self._other_keys.add(job.model, job.tier, p.tenant_of(job.key), now)
             deepest = admission.max_position(job.tier, budget, capacity, self.limits, paid_rate)
             position = self._recent_position(job)
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
@@ -232,9 +231,14 @@ class Gateway:
             finally:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
-            if verdict == Verdict.ADMIT:
-                self.metrics.inflight.inc()
-                return waiter
+        if job.tier == PAID and verdict in (Verdict.ADMIT, Verdict.OVERLOADED):
+            # Paid requests count for the free tier's reserve when admitted or refused for
+            # want of room (a free key filling the queue must not hide them), not when
+            # refused by their own key's limits.
+            self._paid_rate[job.model].add(self.clock.now_ms())
+        if verdict == Verdict.ADMIT and waiter is not None:
+            self.metrics.inflight.inc()
+            return waiter
         self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position, retry_ms)
 
@@ -357,11 +361,11 @@ class Gateway:
     ) -> TenantTerms:
         """What the admission script counts the request against its tenant by."""
         policy = self._tenants[job.tier]
-        # Each process sees its share of every key's traffic (connections spread evenly).
-        others = self._key_rates.others_rps(job.model, job.tier, tenant, self.clock.now_ms())
-        others *= self.settings.api_processes
+        # Each process sees its share of every key's traffic (connections spread evenly):
+        # the memory is long enough for a key that asks now and then to be seen by each.
+        alone = self._other_keys.alone(job.model, job.tier, tenant, self.clock.now_ms())
         horizon = admission.latest_start_ms(job.deadline_ms - job.received_ms, capacity, self.limits)
-        limits = admission.tenant_limits(deepest, capacity, policy, others, horizon)
+        limits = admission.tenant_limits(deepest, capacity, policy, alone, horizon)
         return TenantTerms(
             waiting_paid_behind=lane.waiting_paid_behind,
             waiting_free_behind=lane.waiting_free_behind,
@@ -410,16 +414,20 @@ class Gateway:
     def _await(self, waiter: Waiter, event: threading.Event, hangup: object | None) -> bool:
         """Wait for `event`; True if it came. At the deadline or a hang-up, resolve the
         waiter with why and give its request up (False)."""
-        timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
-        if event.wait(timeout_s) if hangup is None else self._wait_or_hangup(event, timeout_s, hangup):
-            return True
-        if waiter.item is not None:
-            return False
-        # Gone only if the client's socket said so: the wait's timer may end a little before
-        # the clock reads the deadline, and a client still there must then get its 504.
-        if hangup is not None and cast("threading.Event", hangup).is_set():
-            self._gone(waiter)
-            return False
+        for _ in range(1 + EARLY_REWAITS):
+            timeout_s = max(0.0, (waiter.job.deadline_ms - self.clock.now_ms()) / 1000.0)
+            if event.wait(timeout_s) if hangup is None else self._wait_or_hangup(event, timeout_s, hangup):
+                return True
+            if waiter.item is not None:
+                return False
+            # Gone only if the client's socket said so: the wait's timer may end a little
+            # before the clock reads the deadline (the clock is the broker's, the timer the
+            # host's), and a client still there then waits out the rest.
+            if hangup is not None and cast("threading.Event", hangup).is_set():
+                self._gone(waiter)
+                return False
+            if self.clock.now_ms() >= waiter.job.deadline_ms - 1.0:
+                break
         # At the deadline with the broker silent, the broker is why: 503, not 504.
         reason = "unavailable" if self.health.silent_s > 0 else "expired"
         waiter.resolve(p.Dropped(id=waiter.attempt, reason=reason, replica=""))

@@ -637,20 +637,25 @@ ADMIT_LUA = (
 
 
 # A take's pop from the model's queue lists, in the order given (paid in line, paid behind,
-# free in line, free behind): from each list up to its own cap, and no more than the total over all of them,
-# so free requests fill only the seats paid ones left. KEYS: the lists; ARGV: the total,
-# then each list's cap. Returns the raw messages, oldest of each list first.
+# free in line, free behind): from each list up to its group's cap (lists of one group share
+# it: a paid request behind other paid keys' ones ranks as paid), and no more than the total
+# over all of them, so free requests fill only the seats paid ones left. KEYS: the lists;
+# ARGV: the total, then per list its group's cap and its group's name. Returns the raw
+# messages, oldest of each list first.
 TAKE_QUEUED_LUA = (
     PRELUDE
     + """
-local out, left = {}, tonumber(ARGV[1])
+local out, left, caps = {}, tonumber(ARGV[1]), {}
 for i, key in ipairs(KEYS) do
-  local n = math.min(left, tonumber(ARGV[i + 1]))
+  local cap, group = tonumber(ARGV[2 * i]), ARGV[2 * i + 1]
+  if caps[group] == nil then caps[group] = cap end
+  local n = math.min(left, caps[group])
   if n > 0 then
     local got = redis.call('RPOP', key, n)
     if got then
       for _, message in ipairs(got) do out[#out + 1] = message end
       left = left - #got
+      caps[group] = caps[group] - #got
     end
   end
 end

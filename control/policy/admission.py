@@ -268,11 +268,12 @@ class Depths:
     free_behind: int = 0
 
 
-LONE_HORIZON_MS = 1000.0  # how soon another key's traffic shows in the meters (`KeyMeters`)
+LONE_HORIZON_MS = 1000.0  # a key alone may fill the queue for requests that start this soon
+LONE_MEMORY_MS = 30_000.0  # and is alone while no other key of its tier asked for this long
 
 
 def tenant_limits(
-    deepest: int, capacity: Capacity, policy: TenantPolicy, others_rps: float | None = None, horizon_ms: float = 0.0
+    deepest: int, capacity: Capacity, policy: TenantPolicy, alone: bool = False, horizon_ms: float = 0.0
 ) -> TenantLimits:
     """A key's share of the queue for a request whose deepest admissible position is `deepest`.
 
@@ -282,17 +283,18 @@ def tenant_limits(
     other keys' ones is admitted to the same depth: the lists in line overtake it only
     while other keys have requests there, which their rate bounds.
 
-    A key alone in its tier (`others_rps`, what the tier's other keys asked for lately, is
-    0) may take the whole queue, in line, for a request that starts within
+    A key `alone` in its tier (no other key of the tier asked for `LONE_MEMORY_MS`,
+    `LastOtherKey`) may take the whole queue, in line, for a request that starts within
     `LONE_HORIZON_MS` (`horizon_ms`): it is refused only where the queue is full, and its
     newer requests never overtake its older ones (behind the tier, a key's requests wait
     while its own newer ones in line go first; a continuous replica then ended 2.3% of
-    them 504 at 110% of capacity). A key that comes later is refused until the queue the
-    first filled has started, within the horizon; its requests count at once, refused
-    ones too, and the first key is back to its share. A longer wait keeps the share, room
-    for keys not seen yet."""
+    them 504 at 110% of capacity). A key that comes later may be refused once, until the
+    queue the first filled has started, within the horizon; from its first request the
+    first key is back to its share for the memory's length, so a key that asks now and
+    then is not refused every time. A longer wait keeps the share, room for keys not seen
+    yet."""
     fair = max(1, math.ceil(policy.fair_batches * capacity.max_batch))
-    if others_rps == 0.0 and horizon_ms <= LONE_HORIZON_MS and deepest > fair:
+    if alone and horizon_ms <= LONE_HORIZON_MS and deepest > fair:
         return TenantLimits(fair_depth=deepest, max_queued=deepest, deepest_behind=deepest)
     return TenantLimits(
         fair_depth=fair,
@@ -306,59 +308,31 @@ def latest_start_ms(budget_ms: float, capacity: Capacity, limits: Limits) -> flo
     return budget_ms - limits.margin_ms - capacity.slot_ms - capacity.join_ms
 
 
-class _AlignedRate:
-    """Events per second over a sliding window of windows aligned to the clock (the last
-    whole window weighted by how much of it the sliding window still covers): meters
-    that count on the same clock roll together, so one's count less another's is exactly
-    what the first counted and the second did not."""
-
-    __slots__ = ("index", "current", "previous")
+class LastOtherKey:
+    """When a key other than a given one last asked for admission in each tier (this
+    process's, on the clock given): the last two distinct keys of each tier and when each
+    last asked, so a few fields per tier whatever the number of keys."""
 
     def __init__(self) -> None:
-        self.index, self.current, self.previous = 0, 0, 0
-
-    def _roll(self, index: int) -> None:
-        if index != self.index:
-            self.previous = self.current if index == self.index + 1 else 0
-            self.current, self.index = 0, index
-
-    def add(self, index: int) -> None:
-        self._roll(index)
-        self.current += 1
-
-    def count(self, index: int, covered: float) -> float:
-        self._roll(index)
-        return self.current + self.previous * (1.0 - covered)
-
-
-class KeyMeters:
-    """Requests per second that ask for admission, of each tier and of each key in it (this
-    process's, on the clock given): what the other keys of a key's tier bring is the tier's
-    rate less the key's, counted in the same windows."""
-
-    MAX_KEYS = 4096  # beyond this many keys metered, the idle ones are dropped
-
-    def __init__(self, window_ms: float = LONE_HORIZON_MS) -> None:
-        self.window_ms = window_ms
-        self._tiers: dict[tuple[str, Tier], _AlignedRate] = {}
-        self._keys: dict[tuple[str, Tier, str], _AlignedRate] = {}
+        # (model, tier) -> [latest key, its time, the latest other key's time]
+        self._tiers: dict[tuple[str, Tier], list] = {}
 
     def add(self, model: str, tier: Tier, key: str, now_ms: float) -> None:
-        index = int(now_ms // self.window_ms)
-        self._tiers.setdefault((model, tier), _AlignedRate()).add(index)
-        if (model, tier, key) not in self._keys and len(self._keys) >= self.MAX_KEYS:
-            self._keys = {k: m for k, m in self._keys.items() if m.count(index, 0.0) > 0}
-            if len(self._keys) >= self.MAX_KEYS // 2:  # that many active: start afresh, not a scan per new key
-                self._keys = {}  # a key not metered counts as none of the tier's traffic: never alone
-        self._keys.setdefault((model, tier, key), _AlignedRate()).add(index)
+        seen = self._tiers.get((model, tier))
+        if seen is None:
+            self._tiers[(model, tier)] = [key, now_ms, -math.inf]
+        elif seen[0] == key:
+            seen[1] = max(seen[1], now_ms)
+        else:
+            self._tiers[(model, tier)] = [key, now_ms, seen[1]]
 
-    def others_rps(self, model: str, tier: Tier, key: str, now_ms: float) -> float:
-        index = int(now_ms // self.window_ms)
-        covered = (now_ms - index * self.window_ms) / self.window_ms
-        tier_meter, key_meter = self._tiers.get((model, tier)), self._keys.get((model, tier, key))
-        total = tier_meter.count(index, covered) if tier_meter else 0.0
-        own = key_meter.count(index, covered) if key_meter else 0.0
-        return max(0.0, total - own) * 1000.0 / self.window_ms
+    def alone(self, model: str, tier: Tier, key: str, now_ms: float, memory_ms: float = LONE_MEMORY_MS) -> bool:
+        """No other key of the tier asked within `memory_ms`."""
+        seen = self._tiers.get((model, tier))
+        if seen is None:
+            return True
+        other_ms = seen[2] if seen[0] == key else seen[1]
+        return now_ms - other_ms > memory_ms
 
 
 def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:

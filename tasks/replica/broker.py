@@ -138,7 +138,18 @@ class ReplicaBroker:
                 keys.queue_key(model, FREE),
                 keys.queue_key(model, FREE, True),
             ]
-            caps = [room + behind + fill, room + fill, room + fill, behind + fill, fill]
+            paid, free, free_behind = room + fill, behind + fill, fill
+            caps: list[EncodableT] = [
+                room + behind + fill,
+                paid,
+                "paid",
+                paid,
+                "paid",
+                free,
+                "free",
+                free_behind,
+                "behind",
+            ]
             self._take_queued(lists, caps, client=pipe)
         if launches:
             pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)

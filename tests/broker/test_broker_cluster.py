@@ -250,7 +250,7 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     # A take fills empty seats from the model's lists, paid first, no more than the total.
     lists = [keys.queue_key(MODEL, "paid"), keys.queue_key(MODEL, "free"), keys.queue_key(MODEL, "free", behind=True)]
     cluster.lpush(lists[1], "free-1", "free-2")
-    taken = s.take_queued(keys=lists, args=[2, 1, 2, 2])  # two in all, one paid at most
+    taken = s.take_queued(keys=lists, args=[2, 1, "paid", 2, "free", 2, "behind"])  # two in all, one paid at most
     assert taken == [b'{"properties":{"priority":0},"body":"MSG-att-f"}', b"free-1"]
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.

@@ -262,3 +262,12 @@ def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: re
     assert [j.id for j, _raw in taken] == [f"{1:032d}", f"{2:032d}"]
     _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=2)
     assert [j.id for j, _raw in taken] == [f"{3:032d}"]
+    # Both paid lists share the paid seats: one seat a paid request may take from a free one
+    # (room) and one a free request in line may take from a free one behind (behind).
+    for i in (4, 5):
+        state.lpush(keys.queue_key(MODEL, "paid"), messages(job(i, "paid")))
+    for i in (6, 7):
+        state.lpush(keys.queue_key(MODEL, "paid", behind=True), messages(job(i, "paid")))
+    state.lpush(keys.queue_key(MODEL, "free"), messages(job(8, "free")))
+    _reasons, taken, _launches = broker.take(MODEL, [], room=1, behind=1, fill=0)
+    assert [j.id for j, _raw in taken] == [f"{4:032d}", f"{8:032d}"]

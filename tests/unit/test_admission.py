@@ -162,41 +162,29 @@ def test_a_key_alone_in_its_tier_may_fill_a_short_queue_in_line() -> None:
     policy = TenantPolicy(share=0.5)
     # 2 x 64 at a 600 ms budget: 128 positions, a share of 64. Alone in its tier, a key's
     # request that starts within 335 ms may take them all, in line.
-    alone = tenant_limits(128, CAP, policy, others_rps=0.0, horizon_ms=335.0)
+    alone = tenant_limits(128, CAP, policy, alone=True, horizon_ms=335.0)
     assert (alone.fair_depth, alone.max_queued) == (128, 128)
-    shared = tenant_limits(128, CAP, policy, others_rps=0.5, horizon_ms=335.0)  # another key asked lately
+    shared = tenant_limits(128, CAP, policy, alone=False, horizon_ms=335.0)  # another key asked lately
     assert (shared.fair_depth, shared.max_queued) == (64, 64)
     # A long wait: keys not seen yet may come before it starts; the share holds.
-    assert tenant_limits(400, CAP, policy, others_rps=0.0, horizon_ms=3700.0).max_queued == 200
-    assert tenant_limits(128, CAP, policy).max_queued == 64  # no rates known: the share
+    assert tenant_limits(400, CAP, policy, alone=True, horizon_ms=3700.0).max_queued == 200
+    assert tenant_limits(128, CAP, policy).max_queued == 64  # not known to be alone: the share
 
 
-def test_key_meters_give_what_the_other_keys_of_a_tier_bring() -> None:
-    from control.policy.admission import KeyMeters
+def test_a_key_is_alone_until_another_key_of_its_tier_asks_and_for_a_while_after() -> None:
+    from control.policy.admission import LONE_MEMORY_MS, LastOtherKey
 
-    meters = KeyMeters()
-    for i in range(200):  # one key at 100 req/s for 2 s
-        meters.add("m", "free", "a", i * 10.0)
-    assert meters.others_rps("m", "free", "a", 2000.0) == 0.0  # alone in its tier
-    for i in range(40):  # another at 20 req/s
-        meters.add("m", "free", "b", 2000.0 + i * 50.0)
-        meters.add("m", "paid", "c", 2000.0 + i * 50.0)  # another tier does not count
-    assert abs(meters.others_rps("m", "free", "a", 3999.0) - 20.0) < 0.1
-    assert abs(meters.others_rps("m", "free", "new", 3999.0) - 20.0) < 0.1  # b: 20 in the last second
-    assert meters.others_rps("m", "free", "b", 3999.0) == 0.0  # a stopped a second before
-    assert meters.others_rps("other-model", "free", "a", 4000.0) == 0.0
-
-
-def test_key_meters_drop_idle_keys_beyond_their_bound() -> None:
-    from control.policy.admission import KeyMeters
-
-    meters = KeyMeters()
-    meters.MAX_KEYS = 3
-    for i, key in enumerate("abc"):
-        meters.add("m", "free", key, i * 1.0)
-    meters.add("m", "free", "d", 10_000.0)  # a, b, c idle for seconds: dropped
-    assert set(k[2] for k in meters._keys) == {"d"}
-    for key in "efg":  # all active: the meters start afresh rather than scan for every new key
-        meters.add("m", "free", key, 10_001.0)
-    assert set(k[2] for k in meters._keys) == {"g"}
-    assert meters.others_rps("m", "free", "g", 10_002.0) > 0  # the tier's count stays: g is not alone
+    seen = LastOtherKey()
+    assert seen.alone("m", "free", "a", 0.0)  # nobody asked yet
+    for i in range(100):
+        seen.add("m", "free", "a", i * 10.0)
+    assert seen.alone("m", "free", "a", 1000.0)
+    seen.add("m", "free", "b", 1000.0)  # another key asks once (refused, say)
+    seen.add("m", "paid", "c", 1000.0)  # another tier does not count
+    for i in range(100):
+        seen.add("m", "free", "a", 1000.0 + i * 10.0)
+    assert not seen.alone("m", "free", "a", 2000.0)
+    assert not seen.alone("m", "free", "a", 1000.0 + LONE_MEMORY_MS)  # remembered for a while
+    assert seen.alone("m", "free", "a", 1001.0 + LONE_MEMORY_MS)
+    assert not seen.alone("m", "free", "b", 2000.0)  # a asked lately: b is not alone
+    assert seen.alone("m", "paid", "c", 2000.0) and seen.alone("other-model", "free", "a", 2000.0)

@@ -26,9 +26,10 @@ def _waiter(deadline_ms: float) -> Waiter:
     return Waiter(job, "r")
 
 
-def test_a_wait_that_ends_before_the_clock_reads_the_deadline_is_a_504_not_a_hang_up() -> None:
+def test_a_wait_that_ends_before_the_clock_reads_the_deadline_waits_again_then_is_a_504() -> None:
     # The wait's timer ends when the clock (here held still) has not reached the deadline:
-    # the client is still there, and it is told its deadline passed, not that it left.
+    # the client is still there; it waits again, and is told its deadline passed, not that
+    # it left.
     gateway, given_up = _gateway(ManualClock(0.0))
     waiter = _waiter(30.0)
     hangup = gevent.event.Event()
@@ -45,3 +46,12 @@ def test_a_client_that_hangs_up_is_given_up_as_gone() -> None:
     assert gateway._await(waiter, gevent.event.Event(), hangup) is False  # the server's events are gevent's
     assert isinstance(waiter.item, p.Cancelled) and waiter.item.reason == "gone", waiter.item
     assert given_up == ["gone"]
+
+
+def test_an_answer_that_comes_while_a_wait_ended_early_waits_again_is_delivered() -> None:
+    gateway, given_up = _gateway(ManualClock(0.0))
+    waiter = _waiter(30.0)
+    event = gevent.event.Event()
+    gevent.spawn_later(0.045, event.set)  # after the first 30 ms wait, within the next
+    assert gateway._await(waiter, event, gevent.event.Event()) is True
+    assert waiter.item is None and given_up == []
