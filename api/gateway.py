@@ -300,7 +300,7 @@ class Gateway:
                     keeps_answer=bool(job.keep_ms),
                     gateway=self.id,
                     request_key=job.key,
-                    tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, fingerprint),
+                    tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, now),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
                 self.health.ok()  # it answered: full (its memory limit), not down
@@ -357,13 +357,13 @@ class Gateway:
         return kb * 1024
 
     def _tenant_terms(
-        self, job: p.Job, lane: keys.LaneKeys, tenant: str, deepest: int, capacity: Capacity, fingerprint: str
+        self, job: p.Job, lane: keys.LaneKeys, tenant: str, deepest: int, capacity: Capacity, now_ms: float
     ) -> TenantTerms:
         """What the admission script counts the request against its tenant by."""
         policy = self._tenants[job.tier]
         # Each process sees its share of every key's traffic (connections spread evenly):
         # the memory is long enough for a key that asks now and then to be seen by each.
-        alone = self._other_keys.alone(job.model, job.tier, tenant, self.clock.now_ms())
+        alone = self._other_keys.alone(job.model, job.tier, tenant, now_ms)
         horizon = admission.latest_start_ms(job.deadline_ms - job.received_ms, capacity, self.limits)
         limits = admission.tenant_limits(deepest, capacity, policy, alone, horizon)
         return TenantTerms(

@@ -138,8 +138,7 @@ def max_slots(budget_ms: float, capacity: Capacity, limits: Limits) -> int:
     """Batch slots a request may wait for (including its own) within its budget: those
     that start by the budget less a slot and the margin (a replica starts a request no
     later than its deadline less a batch and the margin, and the slot then takes `slot_ms`)."""
-    latest_start = budget_ms - limits.margin_ms - capacity.slot_ms - capacity.join_ms
-    return max(1, math.floor(latest_start / capacity.interval_ms))
+    return max(1, math.floor(latest_start_ms(budget_ms, capacity, limits) / capacity.interval_ms))
 
 
 def max_depth(budget_ms: float, capacity: Capacity, limits: Limits) -> int:

@@ -9,6 +9,7 @@ so a request costs the broker what it did when the loop built them itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +32,17 @@ Client = redis.Redis
 Fields = dict[str, str | int | float]  # a registry entry (control/broker/records.py)
 
 Reply = p.Result | p.Failed | p.Dropped
+
+
+@functools.lru_cache(maxsize=64)
+def _fill_lists(model: str) -> tuple[str, ...]:
+    """A model's queue lists in the order a take's fill pops them (made once per model)."""
+    return (
+        keys.queue_key(model, PAID),
+        keys.queue_key(model, PAID, True),
+        keys.queue_key(model, FREE),
+        keys.queue_key(model, FREE, True),
+    )
 
 
 class ReplicaBroker:
@@ -131,25 +143,11 @@ class ReplicaBroker:
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
         if room or behind or fill:
-            # A paid request behind other paid keys' ones ranks as paid (tasks/policy/collector.py).
-            lists = [
-                keys.queue_key(model, PAID),
-                keys.queue_key(model, PAID, True),
-                keys.queue_key(model, FREE),
-                keys.queue_key(model, FREE, True),
-            ]
+            # The lists by rank, each with its group's cap: a paid request behind other paid
+            # keys' ones ranks as paid (tasks/policy/collector.py), so both share the paid seats.
+            lists = _fill_lists(model)
             paid, free, free_behind = room + fill, behind + fill, fill
-            caps: list[EncodableT] = [
-                room + behind + fill,
-                paid,
-                "paid",
-                paid,
-                "paid",
-                free,
-                "free",
-                free_behind,
-                "behind",
-            ]
+            caps: list[EncodableT] = [room + behind + fill, paid, PAID, paid, PAID, free, FREE, free_behind, "behind"]
             self._take_queued(lists, caps, client=pipe)
         if launches:
             pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
