@@ -330,7 +330,11 @@ def _flower(settings: Settings, args: argparse.Namespace) -> int:
     if not auth:  # loopback is every local user's: a generated password, kept privately
         auth = _flower_credential(settings, args.flower_port)
     argv = ["flower", f"--port={args.flower_port}", f"--address={args.address}", f"--basic-auth={auth}"]
-    make_celery(settings).start(argv)
+    app = make_celery(settings)
+    # Replicas send task events while a monitor asks (KEYBATCH_TASK_EVENTS=watched): ask now,
+    # not at Flower's first periodic ask 5 s in, so the first requests are listed too.
+    app.control.enable_events()
+    app.start(argv)
     return 0
 
 

@@ -149,7 +149,14 @@ class Settings(BaseSettings):
     # Replica registry.
     heartbeat_s: float = Field(1.0, gt=0)
     replica_ttl_s: float = Field(3.0, gt=0)
-    task_events: bool = Field(True, description="send Celery task events (Flower)")
+    task_events: Literal["watched", "always", "off"] = Field(
+        "watched",
+        description="Celery task events (Flower): while a monitor asks for them (Flower's enable_events), "
+        "always, or off; true and false read as always and off",
+    )
+    task_events_kept_s: float = Field(
+        15.0, gt=0, description="watched task events stop this long after a monitor last asked (Flower: every 5 s)"
+    )
     event_flush_ms: float = Field(100.0, gt=0, description="task events are published at most this often")
 
     # Failover and the broker.
@@ -169,6 +176,16 @@ class Settings(BaseSettings):
     # Regions: a gateway that cannot serve a request forwards it to these, in order.
     region: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="this deployment's region name")
     peers: list[str] = Field(default_factory=list, description="peer regions' gateway base URLs (JSON list)")
+
+    @field_validator("task_events", mode="before")
+    @classmethod
+    def _events_switch(cls, value: object) -> object:
+        """The setting was a switch: true and false keep their meaning."""
+        if isinstance(value, bool):
+            return "always" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no"):
+            return "always" if value.strip().lower() in ("true", "1", "yes", "on") else "off"
+        return value
 
     @field_validator("models")
     @classmethod

@@ -43,7 +43,7 @@ def make_celery(settings: Settings) -> Celery:
         task_create_missing_queues=True,
         # One running batch plus a full next batch are held unacknowledged.
         worker_prefetch_multiplier=2 * settings.max_batch,
-        worker_send_task_events=settings.task_events,
+        worker_send_task_events=settings.task_events == "always",
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )

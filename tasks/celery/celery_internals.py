@@ -7,6 +7,7 @@ Valkey.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -42,6 +43,31 @@ def pace_dispatcher(dispatcher: Any, call_later: Any, interval_s: float, buffer_
             call_later(interval_s, flush)
 
     dispatcher.on_send_buffered = on_send_buffered
+
+
+def task_events_on(dispatcher: Any) -> bool:
+    """Does the worker send task events now? Celery's dispatcher sends every group when it
+    has none listed, else only the listed ones; a remote `enable_events` adds `task`,
+    `disable_events` takes it out."""
+    if dispatcher is None or not dispatcher.enabled:
+        return False
+    return not dispatcher.groups or "task" in dispatcher.groups
+
+
+def expire_task_events(c: Any, kept_s: float, asked: Any) -> None:
+    """Task events only while a monitor asks for them: Flower broadcasts `enable_events`
+    every 5 s while it runs, and Celery's worker then sends them for good. A timer on the
+    consumer's loop takes the `task` group out again once `asked(c)` (monotonic seconds)
+    is more than `kept_s` old, so a fleet nobody watches publishes no event per request."""
+
+    def check() -> None:
+        dispatcher = c.event_dispatcher
+        if dispatcher is None or "task" not in dispatcher.groups:
+            return
+        if time.monotonic() - asked(c) > kept_s:
+            dispatcher.groups.discard("task")
+
+    c.hub.call_repeatedly(min(5.0, kept_s / 3), check)
 
 
 def reconnect_quickly(c: Any) -> None:

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from celery import Celery, Task, bootsteps
+from celery.worker import control as celery_control
 from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
 
@@ -87,7 +88,8 @@ def batching_strategy(task: Task, app: Celery, consumer: Any, **_: Any) -> Any:
             log.warning("rejecting a malformed job message")
             return
         kept = consumer.keybatch_replica.submit(job)
-        if kept and send_events:  # one handed back is received by the replica that runs it
+        # One handed back is received by the replica that runs it.
+        if kept and send_events and celery_internals.task_events_on(eventer):
             eventer.send(
                 "task-received",
                 uuid=job.id,
@@ -111,7 +113,7 @@ class CeleryEvents:
         self.enabled = bool(eventer and eventer.enabled)
 
     def _send(self, kind: str, group: list[Pending], **fields: Any) -> None:
-        if not self.enabled:
+        if not self.enabled or not celery_internals.task_events_on(self.consumer.event_dispatcher):
             return
         send = self.consumer.event_dispatcher.send
 
@@ -173,6 +175,8 @@ class ReplicaStep(bootsteps.StartStopStep):
             celery_internals.reconnect_quickly(c)
             _gate_consumer(c, self.replica)
             celery_internals.pace_events(c, s.event_flush_ms / 1000.0, buffer_limit=s.max_batch)
+            if s.task_events == "watched":
+                celery_internals.expire_task_events(c, s.task_events_kept_s, _events_asked)
             freeze_startup_objects()
             log.info("replica %s serving %s with %s", c.hostname, spec.model, spec.engine.name)
         c.keybatch_replica = self.replica
@@ -182,6 +186,22 @@ class ReplicaStep(bootsteps.StartStopStep):
         if self.replica is not None:
             self.replica.stop()
             self.replica = None
+
+
+# -- task events while watched ---------------------------------------------------------
+
+def _events_asked(c: Any) -> float:
+    """When a monitor last asked this worker for task events (monotonic seconds; 0: never)."""
+    return float(getattr(c, "keybatch_events_asked", 0.0))
+
+
+@control_command()
+def enable_events(state: Any) -> Any:
+    """Celery's own `enable_events`, which Flower broadcasts every few seconds, and the time
+    it was asked: a replica whose task events are `watched` sends them only while a
+    monitor keeps asking (`celery_internals.expire_task_events`)."""
+    state.consumer.keybatch_events_asked = time.monotonic()
+    return celery_control.enable_events(state)
 
 
 # -- remote control: the operator's commands (control/fleet/operator.py), run on the consumer's thread --
@@ -308,7 +328,7 @@ def run_worker(
         "--loglevel",
         loglevel,
     ]
-    if settings.task_events:
+    if settings.task_events == "always":  # `watched`: off until a monitor asks (enable_events)
         argv.append("--task-events")
     app.worker_main(argv)
 
