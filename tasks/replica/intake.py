@@ -71,10 +71,12 @@ class Intake:
             # the engine's step holds the interpreter, a window a kill falls into.
             r.broker.record_held([job])
         with r.cond:
+            wakes = r.engine.continuous  # a continuous loop joins each request at the next step
             if r.state == ReplicaState.DRAINED:  # a pull sent just before the drain: run it
                 r.state = transition(r.state, ReplicaState.DRAINING)
-            r.collector.add(pending)
-            r.cond.notify()
+                wakes = True
+            if r.collector.add(pending) or wakes:  # static: only an arrival that moves the launch
+                r.cond.notify()
         if not r.engine.continuous:
             self.hold([job])
         return True
@@ -109,8 +111,10 @@ class Intake:
         if not jobs:
             return
         with self._arrivals:
+            first = not self._unrecorded  # later ones ride the group the recorder gathers now
             self._unrecorded.extend(jobs)
-            self._arrivals.notify()
+            if first:
+                self._arrivals.notify()
 
     def _record(self) -> None:
         """Write arrivals into the held hash: one RECORD script call for what arrived within

@@ -190,6 +190,7 @@ class ReplicaStep(bootsteps.StartStopStep):
 
 # -- task events while watched ---------------------------------------------------------
 
+
 def _events_asked(c: Any) -> float:
     """When a monitor last asked this worker for task events (monotonic seconds; 0: never)."""
     return float(getattr(c, "keybatch_events_asked", 0.0))
