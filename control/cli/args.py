@@ -244,6 +244,13 @@ def add_path_cpu_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_floor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, default=300.0, help="offered requests per second")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of measured load per run")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each app, interleaved")
+    p.add_argument("--json", default=None, help="write all figures here")
+
+
 def add_broker_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=300.0, help="offered requests per second")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load read through Valkey's counters")

@@ -68,6 +68,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         add_cycle_args,
         add_dash_bench_args,
         add_engine_bench_args,
+        add_floor_args,
         add_goodput_args,
         add_ops_bench_args,
         add_path_cpu_args,
@@ -96,6 +97,11 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
             "path-cpu",
             aliases=["gateway-cpu"],
             help="CPU per request of the gateway, the replicas and the broker: this checkout against another",
+        )
+    )
+    add_floor_args(
+        bench_sub.add_parser(
+            "floor", help="CPU per request of the gateway's stack alone: Flask and bare WSGI on gunicorn"
         )
     )
     add_broker_bench_args(
@@ -288,6 +294,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.cycle import run_cycle
 
         return run_cycle(args)
+    if args.bench == "floor":
+        from control.bench.floor import run_floor
+
+        return run_floor(args)
     if args.bench in ("path-cpu", "gateway-cpu"):
         from control.bench.path_cpu import run_path_cpu
 
