@@ -86,15 +86,8 @@ class Collector:
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def add(self, pending: Pending) -> bool:
-        """Buffer `pending`; True where it may move the next launch (`launch_at`, `wait_ms`):
-        the first request, the one that fills a batch, or one whose deadline is tighter than
-        every other's. Any other arrival leaves the launch where it was, and the loop
-        waiting for it need not wake (one wake a batch, not one a request)."""
-        waiting = self.waiting
-        moves = not waiting or pending.deadline_ms < min(p.deadline_ms for p in waiting)
-        waiting.append(pending)
-        return moves or len(waiting) == self.config.max_batch
+    def add(self, pending: Pending) -> None:
+        self.waiting.append(pending)
 
     def latest_start_ms(self, pending: Pending) -> float:
         """The last moment a batch holding `pending` may start and still finish in time."""

@@ -71,12 +71,10 @@ class Intake:
             # the engine's step holds the interpreter, a window a kill falls into.
             r.broker.record_held([job])
         with r.cond:
-            wakes = r.engine.continuous  # a continuous loop joins each request at the next step
             if r.state == ReplicaState.DRAINED:  # a pull sent just before the drain: run it
                 r.state = transition(r.state, ReplicaState.DRAINING)
-                wakes = True
-            if r.collector.add(pending) or wakes:  # static: only an arrival that moves the launch
-                r.cond.notify()
+            r.collector.add(pending)
+            r.cond.notify()
         if not r.engine.continuous:
             self.hold([job])
         return True

@@ -156,15 +156,3 @@ def test_a_saturated_replica_follows_a_peer_that_starts_just_before_it_by_a_gap(
     # Never past the last start of the tightest request buffered.
     c.add(make_pending(9, at=0.0, deadline=1300.0))  # latest start 1300 - 250 - 15 - 10 = 1025
     assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1025.0
-
-
-def test_an_arrival_says_whether_it_moves_the_launch() -> None:
-    c = make_collector()  # a batch of 4
-    launches = []
-    for i, (at, deadline) in enumerate([(0.0, 600.0), (5.0, 600.0), (6.0, 270.0), (7.0, 600.0)]):
-        before = c.launch_at()
-        moves = c.add(make_pending(i, at=at, deadline=deadline))
-        launches.append((moves, before != c.launch_at() or c.wait_ms(at) == 0.0))
-    # the first; a later one with a looser deadline; a tighter one; the one that fills the batch
-    assert [moves for moves, _ in launches] == [True, False, True, True]
-    assert all(moves == moved for moves, moved in launches), launches
