@@ -182,7 +182,7 @@ def create_completion() -> Response:
     budget = _budget_ms(settings, environ)
     req = _parse_body(settings, environ)
     job = p.Job.model_construct(  # every field checked already, by CompletionRequest or here
-        id=secrets.token_hex(16),
+        id=secrets.token_urlsafe(16),  # 128 bits in 22 characters: it is named in most broker calls
         key=key,
         keep_ms=int(settings.idempotency_window_s * 1000) if keep else 0,
         model=req.model,

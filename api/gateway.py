@@ -299,7 +299,6 @@ class Gateway:
                     message=message,
                     keeps_answer=bool(job.keep_ms),
                     gateway=self.id,
-                    request_key=job.key,
                     tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, now),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
@@ -367,11 +366,7 @@ class Gateway:
         horizon = admission.latest_start_ms(job.deadline_ms - job.received_ms, capacity, self.limits)
         limits = admission.tenant_limits(deepest, capacity, policy, alone, horizon)
         return TenantTerms(
-            waiting_paid_behind=lane.waiting_paid_behind,
-            waiting_free_behind=lane.waiting_free_behind,
             queue_behind=lane.queue_behind,
-            tenant_waiting=keys.tenant_waiting_key(job.model, job.tier, tenant),
-            bucket=keys.bucket_key(job.tier, tenant),
             deepest_behind=limits.deepest_behind,
             fair_depth=limits.fair_depth,
             max_queued=limits.max_queued,

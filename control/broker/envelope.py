@@ -45,7 +45,9 @@ class TaskMessages:
             "-", p.TASK_NAME, args=[], kwargs={}, argsrepr="", kwargsrepr="{}", ignore_result=True
         )
         self._headers = {k: v for k, v in template.headers.items() if k in KEPT_HEADERS}
-        self._properties = dict(template.properties)
+        # No answer travels back through Celery (the gateway's reply list carries it), so
+        # the template's empty reply queue is left out.
+        self._properties = {k: v for k, v in template.properties.items() if k != "reply_to"}
         _args, kwargs, _embed = template.body
         self._body_tail = f", {json.dumps(kwargs)}, {{}}]"
 
@@ -62,7 +64,8 @@ class TaskMessages:
         }
         envelope = {  # the properties first: `behind` finds the priority before any text
             "properties": properties,
-            "body": f"[[{job.model_dump_json(exclude={'behind'})}]{self._body_tail}",
+            # The job's fields at their defaults are left out: the replica's parse restores them.
+            "body": f"[[{job.model_dump_json(exclude={'behind'}, exclude_defaults=True)}]{self._body_tail}",
             "content-encoding": "utf-8",
             "content-type": "application/json",
             "headers": headers,

@@ -174,6 +174,7 @@ LUA_KEYS: dict[str, str] = {
     "replica": _stem(replica_key),
     "idle": _stem(idle_key),
     "launch": _stem(launch_key),
+    "bucket": key("bucket", ""),  # + tier ':' tenant: `bucket_key`
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,
     "wasted": WASTED_KEY,

@@ -381,16 +381,19 @@ RECORD_LUA = (
     LUA_LIB
     + """
 local names = {}
-for i = 2, #ARGV, 3 do names[#names + 1] = K.owner .. ARGV[i + 1] end
+for i = 2, #ARGV, 2 do
+  local _, _, _, key = held_parts(ARGV[i + 1])  -- the record names the request's key
+  names[#names + 1] = K.owner .. key
+end
 local owners, fields = mget(names), {}
 for j = 1, #names do
-  local i = 2 + (j - 1) * 3
+  local i = 2 + (j - 1) * 2
   local owner = owner_of(owners[j])
   if owner then
     local _, _, _, att = owner_parts(owner)
     if att == ARGV[i] then
       fields[#fields + 1] = ARGV[i]
-      fields[#fields + 1] = ARGV[i + 2]
+      fields[#fields + 1] = ARGV[i + 1]
     end
   end
 end
@@ -529,12 +532,18 @@ end
 """
 
 # The admission proper, after the joins (control/policy/admission.py's `decide`, and the token
-# bucket of `take_token`). Without the tenant's arguments (ARGV[12] on) only the tier's
+# bucket of `take_token`). Without the tenant's arguments (ARGV[11] on) only the tier's
 # position counts.
 _ADMIT_DECIDE = """
 local now = tonumber(ARGV[7])
-local tenanted = ARGV[12] ~= nil
+local tenanted = ARGV[11] ~= nil
 local is_free = ARGV[5] == 'free'
+-- The keys named after the request's model, tier and tenant are made here, not sent.
+local request_key = KEYS[1]:sub(#K.owner + 1)
+local tenant = tenant_of(request_key)
+local paid_behind_set, free_behind_set = KEYS[2] .. K.behind, KEYS[3] .. K.behind
+local mine = (is_free and KEYS[3] or KEYS[2]) .. K.tenant .. tenant  -- the tenant's share of the tier
+local bucket = K.bucket .. ARGV[5] .. ':' .. tenant
 -- What waits is what has not expired: counted without trimming (the replicas trim their
 -- model's sets with their heartbeat; a request leaving takes its entries out). Only the
 -- lists ahead of this request are counted; -1 answers one not counted.
@@ -542,15 +551,15 @@ local live = '(' .. ARGV[7]
 local function count(key) return redis.call('ZCOUNT', key, live, '+inf') end
 local paid, paid_behind, free, free_behind = count(KEYS[2]), 0, count(KEYS[3]), 0
 if tenanted then paid_behind, free_behind = -1, -1 end
-if is_free and tenanted then paid_behind = count(ARGV[12]) end
-local own, own_behind = KEYS[2], ARGV[12]
-if is_free then own, own_behind = KEYS[3], ARGV[13] end
+if is_free and tenanted then paid_behind = count(paid_behind_set) end
+local own, own_behind = KEYS[2], paid_behind_set
+if is_free then own, own_behind = KEYS[3], free_behind_set end
 local behind, queued, tokens, rate = false, 0, 0, 0
 if tenanted then
-  rate = tonumber(ARGV[20])
+  rate = tonumber(ARGV[15])
   if rate > 0 then
-    tokens = tonumber(ARGV[21])
-    local bucket = redis.call('HMGET', ARGV[16], 't', 'at')
+    tokens = tonumber(ARGV[16])
+    local bucket = redis.call('HMGET', bucket, 't', 'at')
     if bucket[1] then
       tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
     end
@@ -558,7 +567,7 @@ if tenanted then
       return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}
     end
   end
-  local mine, fair = ARGV[15], tonumber(ARGV[18])
+  local fair = tonumber(ARGV[13])
   queued = redis.call('ZCOUNT', mine, live, '+inf')
   if queued >= fair then
     -- Entries of requests that left without being removed here (a path that missed
@@ -566,7 +575,7 @@ if tenanted then
     -- but the share is where a flood's garbage would pile up), and the oldest others are
     -- checked against the waiting sets.
     redis.call('ZREMRANGEBYSCORE', mine, '-inf', now)
-    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[22]))) do
+    for _, id in ipairs(redis.call('ZRANGE', mine, live, '+inf', 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[17]))) do
       if not redis.call('ZSCORE', own, id) and not redis.call('ZSCORE', own_behind, id) then
         redis.call('ZREM', mine, id)
         queued = queued - 1
@@ -574,8 +583,8 @@ if tenanted then
     end
   end
   behind = queued >= fair
-  if behind and is_free then free_behind = count(ARGV[13]) end
-  if behind and not is_free then paid_behind = count(ARGV[12]) end
+  if behind and is_free then free_behind = count(free_behind_set) end
+  if behind and not is_free then paid_behind = count(paid_behind_set) end
 end
 -- Every request in line counts for a paid one too: the replicas run a request that would
 -- otherwise miss its deadline ahead of a paid one (tasks/policy/collector.py), so paid
@@ -583,46 +592,46 @@ end
 local position = paid + 1 + free
 if is_free then position = position + paid_behind end
 if behind then position = position + (is_free and free_behind or paid_behind) end
-if behind and position > tonumber(ARGV[17]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if behind and position > tonumber(ARGV[12]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
-if tenanted and queued >= tonumber(ARGV[19]) then return {-3, paid, free, paid_behind, free_behind, ''} end
+if tenanted and queued >= tonumber(ARGV[14]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 -- The owner, made here from the request's parts; it keeps the message as pushed, which
 -- is what a sweep or a rescue pushes again.
 local function admitted(waiting, message)
-  return pack_owner(ARGV[10], waiting, tenant_of(ARGV[11]), ARGV[4], fingerprint, message)
+  return pack_owner(ARGV[10], waiting, tenant, ARGV[4], fingerprint, message)
 end
 if behind then
   local step = ARGV[5] == 'free' and C.free_priority or C.paid_priority
   local message = envelope_behind(ARGV[8], step, C.behind_step)
   redis.call('SET', KEYS[1], admitted(own .. K.behind, message), 'PX', ARGV[2])
   redis.call('ZADD', own_behind, ARGV[3], ARGV[4])
-  redis.call('LPUSH', ARGV[14], message)
+  redis.call('LPUSH', ARGV[11], message)
 else
   redis.call('SET', KEYS[1], admitted(own, ARGV[8]), 'PX', ARGV[2])
   redis.call('ZADD', own, ARGV[3], ARGV[4])
   redis.call('LPUSH', KEYS[4], ARGV[8])
 end
 if tenanted then
-  redis.call('ZADD', ARGV[15], ARGV[3], ARGV[4])
+  redis.call('ZADD', mine, ARGV[3], ARGV[4])
   -- Its TTL outlives the latest deadline in it: this one's, when nothing else waits there.
   if queued == 0 then
-    redis.call('PEXPIRE', ARGV[15], ARGV[2])
+    redis.call('PEXPIRE', mine, ARGV[2])
   else
-    redis.call('PEXPIRE', ARGV[15], ARGV[2], 'GT')
+    redis.call('PEXPIRE', mine, ARGV[2], 'GT')
   end
   if rate > 0 then
-    redis.call('HSET', ARGV[16], 't', tokens - 1, 'at', now)
-    redis.call('PEXPIRE', ARGV[16], math.ceil(tonumber(ARGV[21]) * 1000 / rate) + 1000)
+    redis.call('HSET', bucket, 't', tokens - 1, 'at', now)
+    redis.call('PEXPIRE', bucket, math.ceil(tonumber(ARGV[16]) * 1000 / rate) + 1000)
   end
 end
 if KEYS[5] then
-  local previous = redis.call('SET', KEYS[5], ARGV[11], 'GET', 'PX', ARGV[2])
-  if previous and previous ~= ARGV[11] then cancel(previous, 'superseded', '', '', '') end
+  local previous = redis.call('SET', KEYS[5], request_key, 'GET', 'PX', ARGV[2])
+  if previous and previous ~= request_key then cancel(previous, 'superseded', '', '', '') end
 end
 """
 
 # KEYS: owner, waiting paid, waiting free, queue list, [session]; ARGV: `Admit.__call__`'s
-# parameters in its order, then `TenantTerms`' (ARGV[12] on). Returns {status, paid
+# parameters in its order, then `TenantTerms`' (ARGV[11] on). Returns {status, paid
 # waiting, free waiting, [paid behind, free behind,] extra}: the status an `Admission`.
 ADMIT_LUA = (
     # Flagged (a shebang, no allow-oom): a broker at its memory limit refuses the whole

@@ -111,13 +111,11 @@ class AdmitAnswer(NamedTuple):
 
 class TenantTerms(NamedTuple):
     """A request counted against its tenant (control/policy/admission.py), in the order the
-    admission script reads them."""
+    admission script reads them. The tier's sets behind, the tenant's share of its tier
+    (`keys.tenant_waiting_key`) and its bucket (`keys.bucket_key`) the script names itself
+    from the request's key and tier."""
 
-    waiting_paid_behind: str
-    waiting_free_behind: str
     queue_behind: str
-    tenant_waiting: str
-    bucket: str
     deepest_behind: int  # the deepest position a request behind may take
     fair_depth: int
     max_queued: int
@@ -151,15 +149,16 @@ class Admit:
         message: str,
         keeps_answer: bool,  # its answer is kept for retries (under its owner key)
         gateway: str,
-        request_key: str,
         tenant: TenantTerms | None,
     ) -> AdmitAnswer:
+        """`owner_key` is `keys.owner_key` of the request's key: the script reads the key
+        (and its tenant) from it."""
         names = [owner_key, waiting_paid, waiting_free, queue, session] if session else [
             owner_key, waiting_paid, waiting_free, queue
         ]  # fmt: skip
         args: list[EncodableT] = [
             fingerprint, ttl_ms, deadline_ms, attempt, tier, deepest, now_ms, message, "1" if keeps_answer else "",
-            gateway, request_key,
+            gateway,
         ]  # fmt: skip
         if tenant is not None:
             args += tenant
@@ -236,8 +235,7 @@ class Rescue(_Registered):
 
 class HeldEntry(NamedTuple):
     attempt: str
-    key: str
-    record: str  # control/broker/records.py's `pack_held`
+    record: str  # control/broker/records.py's `pack_held`: it names the request's key
 
 
 class Record(_Registered):

@@ -90,7 +90,7 @@ class ReplicaBroker:
         flight: one answered meanwhile must not come back. Logs a broker that is away."""
         if not jobs:
             return
-        entries = [scripts.HeldEntry(job.id, job.key, self._held_record(job)) for job in jobs]
+        entries = [scripts.HeldEntry(job.id, self._held_record(job)) for job in jobs]
         try:
             self._record_held(self.name, entries)
         except redis.RedisError:

@@ -128,13 +128,10 @@ def _admit(
     names = [keys.owner_key(key), waiting, keys.waiting_key(MODEL, "free"), keys.queue_key(MODEL, "paid")]
     if session:
         names.append(keys.session_key(session))
-    tenant = p.tenant_of(key)
     done = "1" if keep_ms else ""  # the answer is kept
     message = f'{{"properties":{{"priority":0}},"body":"MSG-{attempt}"}}'
-    args: list = ["", 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway, key]
-    args += [keys.waiting_key(MODEL, "paid", behind=True), keys.waiting_key(MODEL, "free", behind=True)]
-    args += [keys.queue_key(MODEL, "paid", behind=True), keys.tenant_waiting_key(MODEL, "paid", tenant)]
-    args += [keys.bucket_key("paid", tenant), 100, fair, 100, 100.0, 100.0, 8]
+    args: list = ["", 60_000, 9e15, attempt, "paid", 100, 0, message, done, gateway]
+    args += [keys.queue_key(MODEL, "paid", behind=True), 100, fair, 100, 100.0, 100.0, 8]
     return s.admit(keys=names, args=args)  # type: ignore[no-any-return]
 
 
@@ -200,8 +197,9 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     # The replica: its lease, held records, claims, streamed text, delivery.
     cluster.set(keys.lease_key("r1"), 1, px=60_000)
     cluster.sadd(keys.HOLDERS_KEY, "r1")
-    record = ["r1", "att-b", "t:b", _held_record("att-b", "t:b", now + 60_000)]
-    assert s.record(keys=[keys.held_key("r1")], args=[*record, "att-gone", "t:gone", "x"]) == 1
+    record = ["r1", "att-b", _held_record("att-b", "t:b", now + 60_000)]
+    gone = _held_record("att-gone", "t:gone", now + 60_000)
+    assert s.record(keys=[keys.held_key("r1")], args=[*record, "att-gone", gone]) == 1
     cluster.set(keys.lease_key("r2"), 1, px=60_000)
     cluster.set(keys.claim_key("att-other"), "r2", px=60_000)  # running on r2, whose lease is alive
     assert s.claim(keys=[keys.held_key("r1")], args=["r1", 60_000, "att-b", "att-other"]) == [1, 0]
@@ -223,8 +221,8 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     cluster.hset(keys.replica_key("r3"), "model", MODEL)
     cluster.zadd(keys.idle_key(MODEL), {"r3": now})
     cluster.zadd(keys.launch_key(MODEL), {"r3": now})
-    late = ["r3", "att-d", "t:d", _held_record("att-d", "t:d", now + 60_000)]
-    assert s.record(keys=[keys.held_key("r3")], args=[*late, "att-e", "t:e", _held_record("att-e", "t:e", now)]) == 2
+    late = ["r3", "att-d", _held_record("att-d", "t:d", now + 60_000)]
+    assert s.record(keys=[keys.held_key("r3")], args=[*late, "att-e", _held_record("att-e", "t:e", now)]) == 2
     cluster.sadd(keys.HOLDERS_KEY, "r3")
     assert s.sweep_dead(keys=[keys.HOLDERS_KEY], args=[265]) == [1, 1, 1, 1]  # r3 swept: d re-queued, e expired
     assert cluster.zscore(keys.waiting_key(MODEL, "paid"), "att-d") is not None

@@ -41,7 +41,7 @@ def _waiting(url: str, deadline_ms: float) -> tuple[Gateway, Waiter, redis.Redis
         owner_key=keys.owner_key(job.key), waiting_paid=lane.waiting_paid, waiting_free=lane.waiting_free,
         queue=lane.queue, session=None, fingerprint="", ttl_ms=60_000, deadline_ms=deadline_ms, attempt=ATTEMPT,
         tier=job.tier, deepest=100, now_ms=0, message="{}", keeps_answer=False, gateway=gateway.id,
-        request_key=job.key, tenant=None,
+        tenant=None,
     )  # fmt: skip
     return gateway, Waiter(job, "r"), state
 

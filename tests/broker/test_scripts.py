@@ -24,7 +24,7 @@ def state() -> Iterator[redis.Redis]:
 
 def _admit(state: redis.Redis, key: str, attempt: str, gateway: str) -> list:
     names = [keys.owner_key(key), keys.waiting_key(MODEL, "paid"), WAITING, keys.queue_key(MODEL, "free")]
-    args = ["", 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway, key]
+    args = ["", 60_000, 9e15, attempt, "free", 100, 0, "MESSAGE", "", gateway]
     return state.register_script(ADMIT_LUA)(keys=names, args=args)  # type: ignore[no-any-return]
 
 
@@ -51,6 +51,7 @@ def test_a_retry_after_the_deadline_does_not_join_the_dead_attempt(state: redis.
 def test_a_replica_records_only_requests_still_in_flight(state: redis.Redis) -> None:
     state.set(keys.owner_key("t:live"), f"gw|{WAITING}|t|a-live", px=10_000)
     record = state.register_script(lua.RECORD_LUA)
-    n = record(args=["rep", "a-live", "t:live", "REC1", "a-done", "t:done", "REC2"])
+    live, done = "1|q|w|t:live", "1|q|w|t:done"  # held records name the request's key
+    n = record(args=["rep", "a-live", live, "a-done", done])
     assert n == 1
-    assert state.hgetall(keys.held_key("rep")) == {b"a-live": b"REC1"}
+    assert state.hgetall(keys.held_key("rep")) == {b"a-live": live.encode()}

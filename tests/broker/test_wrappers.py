@@ -33,13 +33,8 @@ def state(broker: redis.Redis) -> redis.Redis:
 
 
 def _tenant(key: str, attempt: str, gateway: str, *, fair: int = 100, rate: float = 100.0) -> scripts.TenantTerms:
-    tenant = key.partition(":")[0]
     return scripts.TenantTerms(
-        waiting_paid_behind=keys.waiting_key(MODEL, "paid", behind=True),
-        waiting_free_behind=keys.waiting_key(MODEL, "free", behind=True),
         queue_behind=keys.queue_key(MODEL, "paid", behind=True),
-        tenant_waiting=keys.tenant_waiting_key(MODEL, "paid", tenant),
-        bucket=keys.bucket_key("paid", tenant),
         deepest_behind=100,
         fair_depth=fair,
         max_queued=100,
@@ -76,7 +71,6 @@ def _admit(
         message=f'{{"properties":{{"priority":0,"correlation_id":"{attempt}"}}}}',
         keeps_answer=bool(fingerprint),
         gateway=gateway,
-        request_key=key,
         tenant=tenant,
     )
 
@@ -135,7 +129,7 @@ def test_a_kept_answer_under_the_owner_key_is_no_owner_to_the_other_scripts(stat
     assert 0 < state.pttl(keys.owner_key("acme:r1")) <= 60_000
     assert scripts.Cancel(state)("acme:r1", "cancelled") is False  # answered: nothing to cancel
     held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1")
-    assert scripts.Record(state)("r1", [scripts.HeldEntry("a1", "acme:r1", held)]) == 0  # not held again
+    assert scripts.Record(state)("r1", [scripts.HeldEntry("a1", held)]) == 0  # not held again
     assert scripts.Deliver(state)("r1", [delivery]) == scripts.Delivered(0, 1)  # a second copy: waste
     assert state.get(keys.owner_key("acme:r1")) == kept
     assert _admit(state, "acme:r1", "a2").status == Admission.ADMITTED  # one that keeps no answer: anew
@@ -174,7 +168,8 @@ def test_cancel_takes_the_request_and_tells_its_gateway(state: redis.Redis) -> N
 def test_a_replica_records_claims_streams_and_delivers(state: redis.Redis) -> None:
     _admit(state, "acme:r1", "a1", "gw-a")
     held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r1")
-    entries = [scripts.HeldEntry("a1", "acme:r1", held), scripts.HeldEntry("gone", "acme:gone", held)]
+    gone = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:gone")
+    entries = [scripts.HeldEntry("a1", held), scripts.HeldEntry("gone", gone)]
     assert scripts.Record(state)("r1", entries) == 1
     assert state.hgetall(keys.held_key("r1")) == {b"a1": held.encode()}
     claim = scripts.Claim(state)
@@ -206,7 +201,7 @@ def _hold(state: redis.Redis, replica: str, key: str, attempt: str, deadline_ms:
     message = state.rpop(queue)  # the replica took it
     state.zrem(waiting, attempt)
     record = records.pack_held(deadline_ms, queue, waiting, key)
-    scripts.Record(state)(replica, [scripts.HeldEntry(attempt, key, record)])
+    scripts.Record(state)(replica, [scripts.HeldEntry(attempt, record)])
     state.sadd(keys.HOLDERS_KEY, replica)
     assert isinstance(message, bytes)
     return message
