@@ -373,7 +373,7 @@ return rescued
 """
 )
 
-# ARGV: replica, then per request: attempt, request key, held record. Records only the
+# ARGV: replica, then per request: attempt, held record (it names the request's key). Records only the
 # requests still in flight under that attempt: one answered or dropped meanwhile (its
 # owner gone) must not come back into the held hash. One MGET reads every owner and one
 # HSET writes every record, whatever the number of requests.
@@ -559,9 +559,9 @@ if tenanted then
   rate = tonumber(ARGV[15])
   if rate > 0 then
     tokens = tonumber(ARGV[16])
-    local bucket = redis.call('HMGET', bucket, 't', 'at')
-    if bucket[1] then
-      tokens = math.min(tokens, tonumber(bucket[1]) + math.max(0, now - tonumber(bucket[2])) * rate / 1000)
+    local counted = redis.call('HMGET', bucket, 't', 'at')
+    if counted[1] then
+      tokens = math.min(tokens, tonumber(counted[1]) + math.max(0, now - tonumber(counted[2])) * rate / 1000)
     end
     if tokens < 1 then
       return {-2, paid, free, paid_behind, free_behind, tostring(math.ceil((1 - tokens) * 1000 / rate))}

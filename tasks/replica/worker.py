@@ -200,7 +200,10 @@ def _events_asked(c: Any) -> float:
 def enable_events(state: Any) -> Any:
     """Celery's own `enable_events`, which Flower broadcasts every few seconds, and the time
     it was asked: a replica whose task events are `watched` sends them only while a
-    monitor keeps asking (`celery_internals.expire_task_events`)."""
+    monitor keeps asking (`celery_internals.expire_task_events`); one whose task events are
+    `off` refuses it."""
+    if state.consumer.app.keybatch_spec.settings.task_events == "off":
+        return {"error": "task events are off on this replica (KEYBATCH_TASK_EVENTS=off)"}
     state.consumer.keybatch_events_asked = time.monotonic()
     return celery_control.enable_events(state)
 

@@ -25,7 +25,9 @@ def busy_replicas(kb: Deployment, n: int = 2) -> list:
     since = _broker_ms(state)
     pool = ThreadPoolExecutor(n)
     futures = [pool.submit(kb.post, {"model": MODEL, "prompt": f"busy {i}"}) for i in range(n)]
-    assert until(lambda: state.zcount(keys.launch_key(MODEL), since, "+inf") >= n, 5, every_s=0.005), "not busy"
+    launched = until(lambda: state.zcount(keys.launch_key(MODEL), since, "+inf") >= n, 5, every_s=0.005)
+    state.close()
+    assert launched, "not busy"
     return futures
 
 
@@ -42,5 +44,7 @@ def queued_behind_busy_replicas(kb: Deployment, **headers: str) -> tuple[Future,
 
     before = live()
     queued = ThreadPoolExecutor(1).submit(kb.post, **headers)
-    assert until(lambda: live() > before, 5, every_s=0.005), "not queued"
+    admitted = until(lambda: live() > before, 5, every_s=0.005)
+    state.close()
+    assert admitted, "not queued"
     return queued, busy

@@ -54,3 +54,19 @@ def test_task_events_go_out_only_while_a_monitor_asks_for_them() -> None:
         _served(kb)
         assert _task_channels(listener, 1.0) == [], "task events went on with nobody asking"
         listener.close()
+
+
+def test_task_events_set_off_stay_off_when_a_monitor_asks() -> None:
+    with deployment(workers=1, task_events="off") as kb:
+        listener = redis.Redis.from_url(kb.system.redis_url).pubsub()
+        listener.psubscribe("*celeryev*")
+        listener.get_message(timeout=1)
+        app = make_celery(Settings(redis_url=kb.system.redis_url, models={MODEL: MODEL}))
+        try:
+            replies = app.control.broadcast("enable_events", reply=True, timeout=2)
+        finally:
+            app.close()
+        assert replies and all("error" in next(iter(r.values())) for r in replies), replies
+        _served(kb)
+        assert _task_channels(listener, 1.0) == [], "task events though set off"
+        listener.close()
