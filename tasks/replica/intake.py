@@ -89,7 +89,8 @@ class Intake:
         `hand_back` says (its loop may have run its last batch, and a request kept then
         would wait for its deadline)."""
         r = self.replica
-        if r.stopping:
+        if r.stopping:  # a stopping replica's gate is shut: taken while shut, and handed back
+            r.stats.num_taken_shut += 1
             return self._push_back(job)
         if not r.is_taking() or r.wants_messages():
             return False
