@@ -66,7 +66,7 @@ class CollectorConfig:
     batch_ms: float = 250.0  # expected time of the next batch
     paid_boost_ms: float = 300.0
     margin_ms: float = 15.0  # slack for the trip back to the client
-    stagger_fill: float = 0.0  # stagger starts after a batch at least this full (0: at any load)
+    stagger_fill: float = 0.5  # stagger starts after a batch at least this full
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -137,11 +137,9 @@ class Collector:
     def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:
         """Set `not_before_ms` from when the other replicas of the model last started.
 
-        After a batch at least `stagger_fill` full (by default any): starts spread to
-        every batch time / replicas after the latest peer start. At light load too: a
-        request waits for the phase at most a gap, and replicas that each start the first
-        requests of a step in load together leave a backlog that a fleet at 90% takes
-        seconds to drain.
+        Only under heavy load (the last batch at least `stagger_fill` full): at low
+        load a request should not wait for a phase. Starts spread to every
+        batch time / replicas after the latest peer start.
         """
         c = self.config
         recent = [t for t in peer_launches_ms if now_ms - t < 2 * c.batch_ms]
@@ -155,9 +153,9 @@ class Collector:
 
         Replicas that run back-to-back full batches keep whatever phase they fell into,
         and when they start together a request just after a start waits a whole slot, and
-        a queue admitted for staggered slots fills each of them in part. So (after a batch
-        at least `stagger_fill` full) a replica whose start falls less than a gap (slot /
-        replicas) after a peer's latest launch follows it by that gap.
+        a queue admitted for staggered slots fills each of them in part. So under heavy
+        load (the last batch at least `stagger_fill` full) a replica whose start falls less
+        than a gap (slot / replicas) after a peer's latest launch follows it by that gap.
         Only launches seen count, never one predicted from a peer's slot: of two replicas
         about to start together, the one whose take comes second sees the other's launch
         (the take reads the launches afresh, `Policy.spreads`) and moves; the first sees

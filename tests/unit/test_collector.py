@@ -86,8 +86,8 @@ def test_under_heavy_load_a_batch_waits_for_its_phase_behind_a_peer() -> None:
     assert c.wait_ms(261.0) == 0.0  # full: it goes at once
 
 
-def test_the_phase_yields_to_the_deadline_and_to_light_load_where_set() -> None:
-    c = make_collector(margin_ms=15.0, stagger_fill=0.5)
+def test_the_phase_yields_to_the_deadline_and_to_light_load() -> None:
+    c = make_collector(margin_ms=15.0)
     c.add(make_pending(0, at=100.0, deadline=610.0))  # must start by 710 - 250 - 15 = 445, taken by 435
     c.stagger_from([300.0], last_batch=4, now_ms=302.0)  # phase says 425
     assert c.wait_ms(302.0) == 425.0 - 302.0
@@ -97,12 +97,6 @@ def test_the_phase_yields_to_the_deadline_and_to_light_load_where_set() -> None:
     assert c.wait_ms(402.0) == 0.0
     c.stagger_from([0.0], last_batch=4, now_ms=900.0)  # a peer silent for two batch times is ignored
     assert c.not_before_ms == 0.0
-    # By default the phase holds at any load: a step from light load to heavy then starts
-    # staggered (replicas that started small batches together left a backlog at 90% load).
-    d = make_collector(margin_ms=15.0)
-    d.add(make_pending(0, at=100.0, deadline=10_000.0))
-    d.stagger_from([400.0], last_batch=1, now_ms=402.0)
-    assert d.wait_ms(402.0) == 525.0 - 402.0
 
 
 def test_a_second_copy_of_a_request_in_the_buffer_runs_once() -> None:
@@ -143,9 +137,9 @@ def test_a_free_request_that_cannot_wait_for_the_next_batch_keeps_its_place_befo
 
 
 def test_a_saturated_replica_follows_a_peer_that_starts_just_before_it_by_a_gap() -> None:
-    c = make_collector(max_batch=4, stagger_fill=0.5)
+    c = make_collector(max_batch=4)
     c.add(make_pending(0, at=0.0, deadline=10_000.0))
-    # Where set, at low load (the last batch under half full) starts are left where they fall.
+    # At low load (the last batch under half full) starts are left where they fall.
     assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1000.0
     for i in range(4):
         c.add(make_pending(i + 1, at=0.0, deadline=10_000.0))
