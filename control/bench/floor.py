@@ -14,14 +14,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
 
 from control.bench.harness import MODEL
+from control.bench.path_cpu import _wait_ready
 from control.core.procs import free_port
 from control.load.generator import generate
 from control.load.spec import LoadSpec
@@ -38,24 +36,13 @@ def _serve(app: str, port: int) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.1)
-    raise RuntimeError(f"no server at {url} within {timeout_s:.0f} s")
-
-
 def measure(app: str, rate: float, duration_s: float) -> dict[str, float]:
     """One run: the worker's CPU ms per answered request at `rate`."""
     port = free_port()
     server = _serve(app, port)
     try:
         url = f"http://127.0.0.1:{port}"
-        _ready(url)
+        _wait_ready(url)
         workers = psutil.Process(server.pid).children()
         generate(LoadSpec(url, rate, WARMUP_S, model=MODEL, seed=7), show_progress=False)
         before = sum(sum(w.cpu_times()[:2]) for w in workers)

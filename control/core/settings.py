@@ -181,10 +181,11 @@ class Settings(BaseSettings):
     @classmethod
     def _events_switch(cls, value: object) -> object:
         """The setting was a switch: true and false keep their meaning."""
-        if isinstance(value, bool):
-            return "always" if value else "off"
-        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no"):
-            return "always" if value.strip().lower() in ("true", "1", "yes", "on") else "off"
+        word = value.strip().lower() if isinstance(value, str) else value
+        if value is True or word in ("true", "1", "yes", "on"):
+            return "always"
+        if value is False or word in ("false", "0", "no"):
+            return "off"
         return value
 
     @field_validator("models")
