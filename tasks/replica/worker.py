@@ -77,7 +77,6 @@ class BatchedTask(Task):
 
 def batching_strategy(task: Task, app: Celery, consumer: Any, **_: Any) -> Any:
     eventer = consumer.event_dispatcher
-    send_events = bool(eventer and eventer.enabled)
 
     def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **_: Any) -> None:
         try:
@@ -89,7 +88,7 @@ def batching_strategy(task: Task, app: Celery, consumer: Any, **_: Any) -> Any:
             return
         kept = consumer.keybatch_replica.submit(job)
         # One handed back is received by the replica that runs it.
-        if kept and send_events and celery_internals.task_events_on(eventer):
+        if kept and celery_internals.task_events_on(eventer):
             eventer.send(
                 "task-received",
                 uuid=job.id,
@@ -109,11 +108,9 @@ class CeleryEvents:
 
     def __init__(self, consumer: Any) -> None:
         self.consumer = consumer
-        eventer = consumer.event_dispatcher
-        self.enabled = bool(eventer and eventer.enabled)
 
     def _send(self, kind: str, group: list[Pending], **fields: Any) -> None:
-        if not self.enabled or not celery_internals.task_events_on(self.consumer.event_dispatcher):
+        if not celery_internals.task_events_on(self.consumer.event_dispatcher):
             return
         send = self.consumer.event_dispatcher.send
 
