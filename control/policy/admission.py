@@ -215,11 +215,14 @@ class RateMeter:
         self._count += 1
 
     def rate(self, now_ms: float) -> float:
+        """The current window's rate blended into the last one's as the window fills; a rate
+        that rises above the blend is followed at once (a paid reserve that lags a ramp from
+        idle lets free requests fill the queue the paid ones then find full)."""
         self._roll(now_ms)
         elapsed = max(now_ms - self._start, 1.0)
-        current = self._count * 1000.0 / max(elapsed, self.window_ms / 4)
+        current = self._count * 1000.0 / max(elapsed, self.window_ms / 10)
         weight = min(1.0, elapsed / self.window_ms)
-        return weight * current + (1 - weight) * self._last_rate
+        return max(current, weight * current + (1 - weight) * self._last_rate)
 
     def _roll(self, now_ms: float) -> None:
         if now_ms - self._start >= self.window_ms:

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from control.core.vocab import POLICIES, Policy
+from control.core.vocab import PAID, POLICIES, Policy
 from control.load.generator import generate
 from control.load.spec import LoadSpec
 from control.load.summary import summarize
@@ -24,8 +24,11 @@ def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:
     summary = summarize(records)
     paid, free = summary["paid"], summary["free"]
     assert summary["all"]["no_answer"] == 0  # every request got exactly one answer
-    assert paid["ok_share"] >= 0.95
-    assert paid["p99_ms"] <= 600
+    # What a failure needs to be read: the answers, and when the paid ones not answered 200 were sent.
+    refused = sorted(round(r.sent_s, 2) for r in records if r.tier == PAID and r.status != 200)
+    why = f"paid {paid['codes']}, p99 {paid['p99_ms']:.0f} ms; free {free['codes']}; paid not 200 sent at {refused}"
+    assert paid["ok_share"] >= 0.95, why
+    assert paid["p99_ms"] <= 600, why
     assert free["status_429"] > 0.25 * free["sent"]
     assert free["p99_429_ms"] < 200
 

@@ -85,6 +85,19 @@ def test_rate_meter_follows_a_steady_rate() -> None:
     assert meter.rate(10_000.0) == 0.0
 
 
+def test_rate_meter_follows_a_ramp_from_idle_at_once_and_a_fall_over_its_window() -> None:
+    from control.policy.admission import RateMeter
+
+    meter = RateMeter(window_ms=1000.0)
+    meter.rate(0.0)  # idle until now
+    for i in range(15):  # 100 per second from idle: 15 in the first 150 ms
+        meter.add(i * 10.0)
+    assert meter.rate(150.0) >= 90.0  # the blend with the idle window alone read 15
+    for i in range(100):  # a second at 100 per second, then silence
+        meter.add(1000.0 + i * 10.0)
+    assert meter.rate(2200.0) >= 75.0  # falls over the window, not at once
+
+
 def test_a_tenant_beyond_its_fair_depth_waits_behind_the_tier_and_is_capped_at_its_share() -> None:
     from control.policy.admission import Depths, TenantPolicy, decide, lane_position, tenant_limits
 
