@@ -60,13 +60,18 @@ def create_app(settings: Settings | None = None) -> Flask:
     # A bounded pool: under a burst, requests wait for a connection instead of failing;
     # every call on the request path, and the wait for a connection, is bounded.
     bound_s = settings.broker_timeout_ms / 1000.0
-    pool = connect.blocking_pool(
-        settings.state_url, max_connections=64, timeout=bound_s, socket_timeout=bound_s, socket_connect_timeout=bound_s
-    )
-    client = redis.Redis(connection_pool=pool)
-    time_source = connect.client(settings.state_url, socket_timeout=bound_s, socket_connect_timeout=bound_s)
+    clients = [
+        redis.Redis(
+            connection_pool=connect.blocking_pool(
+                url, max_connections=64, timeout=bound_s, socket_timeout=bound_s, socket_connect_timeout=bound_s
+            )
+        )
+        for url in settings.cell_urls
+    ]
+    # Deadlines are on the first cell's clock; the cells' hosts keep time together (NTP).
+    time_source = connect.client(settings.cell_urls[0], socket_timeout=bound_s, socket_connect_timeout=bound_s)
     clock = BrokerClock(time_source, SystemClock(settings.clock_skew_ms))
-    app.extensions["keybatch"] = Gateway(settings, client, make_celery(settings), clock)
+    app.extensions["keybatch"] = Gateway(settings, clients, make_celery(settings), clock)
     errors.init_app(app)
     app.register_blueprint(completions.bp)
     app.register_blueprint(health.bp)

@@ -239,7 +239,7 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
     status = 200
     try:
         if isinstance(item, p.Result):
-            return _completion(waiter.request_id, job, item, now)
+            return _completion(waiter.request_id, job, item, now, waiter.cell)
         status, err = _error_for(item)
         raise err
     finally:
@@ -273,7 +273,7 @@ def _error_for(item: object) -> tuple[int, ApiError]:
     return 504, ApiError(504, "the deadline passed before the completion was ready", "deadline_exceeded")
 
 
-def _completion(request_id: str, job: p.Job, res: p.Result, now: float) -> dict:
+def _completion(request_id: str, job: p.Job, res: p.Result, now: float, cell: int) -> dict:
     return {
         "id": request_id,
         "object": "text_completion",
@@ -293,6 +293,7 @@ def _completion(request_id: str, job: p.Job, res: p.Result, now: float) -> dict:
             "replica": res.replica,
             "backend": res.backend,
             "tier": job.tier,
+            "cell": cell,
         },
     }
 

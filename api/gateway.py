@@ -1,9 +1,11 @@
 """The gateway's side of the request path: admit, enqueue, wait, and route replies.
 
-Each gateway process has an id and one reply list in Redis. Replicas push one
-message per batch onto it; one listener thread here reads it and wakes the
-waiting requests through an in-process map from request id to waiter. Cancels
-and supersedes are routed the same way, to whichever gateway holds the request.
+Each gateway process has an id and one reply list in each cell's broker. Replicas push
+one message per batch onto it; one listener thread per cell reads it and wakes the
+waiting requests through an in-process map from request id to waiter. Cancels and
+supersedes are routed the same way, to whichever gateway holds the request. A request
+waits in one cell at a time: its own (api/cells.py, control/policy/cells.py), or the next
+that answers while its own does not.
 """
 
 from __future__ import annotations
@@ -25,20 +27,21 @@ from typing import cast
 import redis
 from celery import Celery
 
+from api.cells import Cell
 from api.errors import ApiError
 from api.metrics import Metrics
 from control.broker import keys, traffic
 from control.broker.envelope import TaskMessages
 from control.broker.lua import OWNER_SLACK_MS
-from control.broker.registry import FleetView
-from control.broker.scripts import Admission, Admit, Cancel, Rescue, RescueOffer, SweepDead, TenantTerms
+from control.broker.registry import FleetViews
+from control.broker.scripts import Admission, RescueOffer, TenantTerms
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
-from control.core.connect import client_like
 from control.core.settings import Settings
 from control.core.vocab import PAID, TIERS, Tier
 from control.policy import admission
 from control.policy.admission import Capacity, Limits, Verdict
+from control.policy.cells import cell_order
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,9 @@ class Waiter:
     chunks: list[p.Chunk] = field(default_factory=list)  # streamed text not yet sent on
     enqueued: bool = False  # this process pushed its message (RESCUE may push it again)
     behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
+    cell: int = 0  # the cell it waits in
+    session: str | None = None  # its tenant-scoped session, if it named one
+    has_text: bool = False  # streamed text came: it stays in its cell
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -74,6 +80,7 @@ class Waiter:
 
     def add_chunk(self, chunk: p.Chunk) -> None:
         if self.item is None and self.job.stream:
+            self.has_text = True
             self.chunks.append(chunk)
             self.news.set()
 
@@ -84,89 +91,39 @@ class Waiter:
         return chunks
 
 
-class BrokerHealth:
-    """Is the broker answering? It is down once a call failed or exceeded its bound and
-    nothing has answered for `down_after_ms` (new requests then get 503 without trying;
-    until then each finds out by its own bounded call, so a 503 still comes within the
-    bound); every answer (an admission, a reply, the health loop's probe) marks it up.
-    A process starved of CPU for a moment misses bounds with a healthy broker: that is
-    not an outage while calls keep being answered."""
-
-    def __init__(self, down_after_ms: float = 250.0) -> None:
-        self.down_after_s = down_after_ms / 1000.0
-        self._last_ok = time.monotonic()
-        self._last_failure = 0.0
-
-    def ok(self) -> None:
-        self._last_ok = time.monotonic()
-
-    def failed(self, exc: BaseException | None = None) -> None:
-        """A call failed; a refused connection (no broker process there) is down at once."""
-        now = time.monotonic()
-        self._last_failure = now
-        if exc is not None and isinstance(exc.__context__, ConnectionRefusedError):
-            self._last_ok = min(self._last_ok, now - self.down_after_s)
-
-    @property
-    def silent_s(self) -> float:
-        """How long nothing has answered, if a call failed since (0 when healthy)."""
-        if self._last_failure <= self._last_ok:
-            return 0.0
-        return time.monotonic() - self._last_ok
-
-    @property
-    def is_down(self) -> bool:
-        return self.silent_s >= self.down_after_s
-
-
 STALE_CHECKS = 8  # a tenant's oldest queued entries checked per admission at its fair depth
 RESCUE_AFTER_S = 0.1  # after a death, so a live replica's pops of the moment are recorded
 RESCUE_CHUNK = 1000  # requests per RESCUE call (each call may read the queue once)
 NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
+MOVE_AFTER_S = 0.1  # a cell silent this long after a failed call: its waiting requests go to another
+_NEXT_CELL = ("broker_unavailable", "no_replica")  # refusals after which a request tries the next cell
 
 
 class Gateway:
-    def __init__(self, settings: Settings, client: redis.Redis, celery: Celery, clock: Clock) -> None:
+    def __init__(
+        self, settings: Settings, clients: redis.Redis | list[redis.Redis], celery: Celery, clock: Clock
+    ) -> None:
         self.settings = settings
-        self.redis = client
+        clients = clients if isinstance(clients, list) else [clients]
+        self.cells = [Cell(i, c, settings.broker_timeout_ms) for i, c in enumerate(clients)]
         self.celery = celery
         self.clock = clock
         self.id = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
-        # The registry is read in the background, on its own connection and with room to
-        # answer: a read timed out on the request path's bound left a new process with an
-        # empty view of the fleet, which answered its first requests 503 `no_replica`.
-        self.fleet = FleetView(client_like(client, socket_timeout=1.0, socket_connect_timeout=0.5))
+        self.fleet = FleetViews([cell.fleet for cell in self.cells])
         self.metrics = Metrics(self.fleet)
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
-        self.waiters: dict[str, list[Waiter]] = {}  # by attempt
-        self.health = BrokerHealth()
+        self.waiters: dict[str, list[Waiter]] = {}  # by attempt (unique across cells)
         self._early: dict[str, tuple[Item, float]] = {}  # answers kept for joins not yet registered
         # Admissions with a client's id between their script call and their registration, by key.
         self._joining: dict[str, int] = {}
-        self._depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
         self._tenants = {tier: _tenant_policy(settings, tier) for tier in TIERS}
-        self._paid_rate: dict[str, admission.RateMeter] = {}  # paid requests per model (this process)
         self._other_keys = admission.LastOtherKey()  # who asked lately, per tier (this process)
         # Set by the server: False once this process was told to stop (it then
         # finishes what it holds but admits nothing new, and /readyz says so).
         self.is_serving: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         self._started = False
-        self._admit = Admit(client)
         self._task_message = TaskMessages(celery)
-        self._cancel = Cancel(client)
-        # Blocking reads and background probes get their own connections and bounds.
-        bound_s = settings.broker_timeout_ms / 1000.0
-        self._listener = client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)
-        self._prober = client_like(client, socket_timeout=bound_s, socket_connect_timeout=bound_s)
-        self._sweep = SweepDead(self._prober)
-        self._rescuer = client_like(client, socket_timeout=2.0, socket_connect_timeout=0.5)
-        self._rescue = Rescue(self._rescuer)
-        self._deaths: int | None = None  # replicas swept so far, deployment-wide
-        # Admissions not yet in the broker's traffic counters (traffic.arrival_field -> how
-        # many): added every 100 ms with the sweep, not one command per request.
-        self._arrivals: Counter[str] = Counter()
-        self._arrivals_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the listener, the health loop and the fleet view (once, in the serving process)."""
@@ -175,10 +132,13 @@ class Gateway:
         with self._lock:  # held through the first registry read: no request sees an empty fleet
             if self._started:
                 return
-            self.fleet.start()
+            for cell in self.cells:
+                cell.fleet.start()
             self._sync_clock()
-            threading.Thread(target=self._listen, name="reply-listener", daemon=True).start()
-            threading.Thread(target=self._watch_broker, name="broker-health", daemon=True).start()
+            for cell in self.cells:
+                name = f"cell-{cell.index}"
+                threading.Thread(target=self._listen, args=(cell,), name=f"{name}-replies", daemon=True).start()
+                threading.Thread(target=self._watch_broker, args=(cell,), name=f"{name}-health", daemon=True).start()
             self._started = True
 
     def _sync_clock(self) -> None:
@@ -195,39 +155,46 @@ class Gateway:
 
     def submit(self, job: p.Job, request_id: str, session_key: str | None) -> Waiter:
         """Admit and enqueue one request, or join the attempt in flight under its key;
-        raise ApiError if it cannot be taken."""
+        raise ApiError if it cannot be taken. The request's own cell first; the next one
+        where that cell's broker does not answer or no replica there serves the model."""
         self.start()
         if not self.is_serving():
             raise ApiError(503, "the gateway is shutting down", "shutting_down", retry_after_s=1)
-        if self.health.is_down:
+        order = [self.cells[i] for i in cell_order(session_key or job.key, len(self.cells))]
+        live = [cell for cell in order if not cell.health.is_down]
+        if not live:
             raise _broker_down(None)
+        refusal: ApiError | None = None
+        for cell in live:
+            try:
+                return self._submit_to(cell, job, request_id, session_key)
+            except ApiError as err:
+                if err.code not in _NEXT_CELL or len(self.cells) == 1:
+                    raise
+                refusal = refusal if refusal is not None and err.code == "no_replica" else err
+        assert refusal is not None
+        raise refusal
+
+    def _submit_to(self, cell: Cell, job: p.Job, request_id: str, session_key: str | None) -> Waiter:
         budget = job.deadline_ms - job.received_ms
-        capacity = self.fleet.capacity(job.model)
-        if capacity.num_replicas == 0 and self.fleet.age_s() > NO_REPLICA_RECHECK_S:
-            # The view is refreshed every 250 ms: a replica that registered since (a fleet
-            # starting, a replica back from a restart) must not be refused 503 meanwhile.
-            self.fleet.refresh()
-            capacity = self.fleet.capacity(job.model)
+        capacity = self._capacity(cell, job.model)
         verdict, position, retry_ms = admission.check(budget, capacity, self.limits), 0, 0.0
         waiter: Waiter | None = None
         if verdict == Verdict.ADMIT:
             now = self.clock.now_ms()
-            # Each process sees its share of the paid traffic (connections spread evenly).
-            meter = self._paid_rate.setdefault(job.model, admission.RateMeter())
-            paid_rate = meter.rate(now) * self.settings.api_processes
             # Every key that asks is seen, refused or not: one refused while another fills
             # the queue puts that one back to its share.
             self._other_keys.add(job.model, job.tier, p.tenant_of(job.key), now)
-            deepest = admission.max_position(job.tier, budget, capacity, self.limits, paid_rate)
-            position = self._recent_position(job)
+            deepest = self._deepest(cell, job, budget, capacity, now)
+            position = self._recent_position(cell, job)
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
                 verdict = Verdict.OVERLOADED
         if verdict == Verdict.ADMIT:
-            waiter = Waiter(job, request_id)
+            waiter = Waiter(job, request_id, cell=cell.index, session=session_key)
             self._register(waiter)  # before the enqueue: a reply may come at once
             verdict = Verdict.OVERLOADED  # until the enqueue says otherwise (or raises)
             try:
-                verdict, position, retry_ms = self._enqueue(waiter, session_key, deepest, capacity)
+                verdict, position, retry_ms = self._enqueue(cell, waiter, session_key, deepest, capacity)
             finally:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
@@ -235,12 +202,30 @@ class Gateway:
             # Paid requests count for the free tier's reserve when admitted or refused for
             # want of room (a free key filling the queue must not hide them), not when
             # refused by their own key's limits.
-            self._paid_rate[job.model].add(self.clock.now_ms())
+            cell.paid_rate[job.model].add(self.clock.now_ms())
         if verdict == Verdict.ADMIT and waiter is not None:
             self.metrics.inflight.inc()
             return waiter
         self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position, retry_ms)
+
+    def _capacity(self, cell: Cell, model: str) -> Capacity:
+        if not cell.fleet.is_reachable and len(self.cells) > 1:
+            return Capacity(0, 1, 1.0)  # its registry could not be read: the other cells serve
+        capacity = cell.fleet.capacity(model)
+        if capacity.num_replicas == 0 and cell.fleet.age_s() > NO_REPLICA_RECHECK_S:
+            # The view is refreshed every 250 ms: a replica that registered since (a fleet
+            # starting, a replica back from a restart) must not be refused 503 meanwhile.
+            cell.fleet.refresh()
+            capacity = cell.fleet.capacity(model)
+        return capacity
+
+    def _deepest(self, cell: Cell, job: p.Job, budget_ms: float, capacity: Capacity, now_ms: float) -> int:
+        """The deepest position in the cell's queue at which the request still fits."""
+        # Each process sees its share of the paid traffic (connections spread evenly).
+        meter = cell.paid_rate.setdefault(job.model, admission.RateMeter())
+        paid_rate = meter.rate(now_ms) * self.settings.api_processes
+        return admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate)
 
     def _register(self, waiter: Waiter) -> None:
         with self._lock:
@@ -257,16 +242,16 @@ class Gateway:
             if not group:
                 self.waiters.pop(waiter.attempt, None)
 
-    def _recent_position(self, job: p.Job) -> int:
-        """The request's queue position by the last admission's counts, if they are fresh:
-        in line (a request behind other tenants' ones only waits longer)."""
-        depths, at_ms = self._depth.get(job.model, (admission.Depths(), 0.0))
+    def _recent_position(self, cell: Cell, job: p.Job) -> int:
+        """The request's queue position by the cell's last admission's counts, if they are
+        fresh: in line (a request behind other tenants' ones only waits longer)."""
+        depths, at_ms = cell.depth.get(job.model, (admission.Depths(), 0.0))
         if self.clock.now_ms() - at_ms > FRESH_DEPTH_MS:
             return 0
         return admission.lane_position(job.tier, depths, behind=False)
 
     def _enqueue(
-        self, waiter: Waiter, session_key: str | None, deepest: int, capacity: Capacity
+        self, cell: Cell, waiter: Waiter, session_key: str | None, deepest: int, capacity: Capacity
     ) -> tuple[Verdict, int, float]:
         """One round trip admits the request and enqueues its Celery task, or neither; or
         joins the attempt in flight under the same key, or finds its stored answer.
@@ -283,7 +268,7 @@ class Gateway:
             self._joins(job.key, +1)
         try:
             try:
-                status, paid, free, paid_behind, free_behind, extra = self._admit(
+                status, paid, free, paid_behind, free_behind, extra = cell.admit(
                     owner_key=keys.owner_key(job.key),
                     waiting_paid=lane.waiting_paid,
                     waiting_free=lane.waiting_free,
@@ -302,12 +287,12 @@ class Gateway:
                     tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, now),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
-                self.health.ok()  # it answered: full (its memory limit), not down
+                cell.health.ok()  # it answered: full (its memory limit), not down
                 raise ApiError(503, "the broker is full; retry shortly", "broker_unavailable", retry_after_s=1) from exc
             except redis.RedisError as exc:
-                self.health.failed(exc)
+                cell.health.failed(exc)
                 raise _broker_down(exc) from exc
-            self.health.ok()
+            cell.health.ok()
             if status == Admission.ANSWERED:  # answered within the idempotency window: the same answer again
                 waiter.resolve(p.Result.model_validate_json(extra))
                 return Verdict.ADMIT, 0, 0.0
@@ -325,30 +310,30 @@ class Gateway:
         # A list the script did not count (-1: not ahead of this request) is known as empty
         # here: the cached depths then refuse less without a round trip, never more.
         depths = admission.Depths(max(paid, 0), max(paid_behind, 0), max(free, 0), max(free_behind, 0))
-        self._depth[job.model] = (depths, now)
+        cell.depth[job.model] = (depths, now)
         verdict = _ADMIT_STATUS[status]
         if verdict == Verdict.ADMIT:
             waiter.behind = job.behind = extra == b"1"
             waiter.enqueued = True
-            self._count_arrival(job)
+            self._count_arrival(cell, job)
         retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
         return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
 
-    def _count_arrival(self, job: p.Job) -> None:
+    def _count_arrival(self, cell: Cell, job: p.Job) -> None:
         field = traffic.arrival_field(job.model, job.tier)
-        with self._arrivals_lock:
-            self._arrivals[field] += 1
+        with cell.arrivals_lock:
+            cell.arrivals[field] += 1
 
-    def _flush_arrivals(self) -> None:
+    def _flush_arrivals(self, cell: Cell) -> None:
         """The admissions counted since the last call, into the second's traffic counters
         (kept for the next call if the broker did not take them)."""
-        with self._arrivals_lock:
-            counts, self._arrivals = self._arrivals, Counter()
+        with cell.arrivals_lock:
+            counts, cell.arrivals = cell.arrivals, Counter()
         try:
-            traffic.record_arrivals(self._prober, counts, self.clock.now_ms())
+            traffic.record_arrivals(cell.prober, counts, self.clock.now_ms())
         except redis.RedisError:
-            with self._arrivals_lock:
-                self._arrivals.update(counts)
+            with cell.arrivals_lock:
+                cell.arrivals.update(counts)
             raise
 
     def _max_message_bytes(self, tier: Tier) -> int:
@@ -424,7 +409,7 @@ class Gateway:
             if self.clock.now_ms() >= waiter.job.deadline_ms - 1.0:
                 break
         # At the deadline with the broker silent, the broker is why: 503, not 504.
-        reason = "unavailable" if self.health.silent_s > 0 else "expired"
+        reason = "unavailable" if self.cells[waiter.cell].health.silent_s > 0 else "expired"
         waiter.resolve(p.Dropped(id=waiter.attempt, reason=reason, replica=""))
         self._give_up(waiter, reason)
         return False
@@ -455,98 +440,158 @@ class Gateway:
             joined = len(self.waiters.get(waiter.attempt, [])) > 1 or waiter.job.key in self._joining
         if joined:
             return
+        cell = self.cells[waiter.cell]
         try:
-            self._cancel(waiter.job.key, reason, attempt=waiter.attempt, holder=self.id)
+            cell.cancel(waiter.job.key, reason, attempt=waiter.attempt, holder=self.id)
         except redis.RedisError as exc:
-            self.health.failed(exc)  # the broker is away; the answer stands all the same
+            cell.health.failed(exc)  # the broker is away; the answer stands all the same
 
     def cancel(self, key: str, reason: str, tenant: str) -> bool:
-        """Cancel the request with this key on any gateway; False if `tenant` has none."""
-        if self.health.is_down:
-            raise _broker_down(None)
-        try:
-            return self._cancel(key, reason, tenant=tenant)
-        except redis.RedisError as exc:
-            self.health.failed(exc)
-            raise _broker_down(exc) from exc
+        """Cancel the request with this key on any gateway; False if `tenant` has none. The
+        key alone does not say the cell (a session places a request): each is asked, the
+        key's own first, and a cell that does not answer leaves the answer unknown (503)."""
+        unreachable: redis.RedisError | None = None
+        for index in cell_order(key, len(self.cells)):
+            cell = self.cells[index]
+            if cell.health.is_down:
+                unreachable = unreachable or redis.ConnectionError("down")
+                continue
+            try:
+                if cell.cancel(key, reason, tenant=tenant):
+                    return True
+            except redis.RedisError as exc:
+                cell.health.failed(exc)
+                unreachable = exc
+        if unreachable is not None:
+            raise _broker_down(unreachable) from unreachable
+        return False
 
     # -- the broker's health, and the sweep of lapsed leases -------------------------
 
-    def _watch_broker(self) -> None:
-        """Every 100 ms (50 while it is down): sweep replicas whose lease lapsed, which
-        is also the probe of the broker, and add the admissions to the traffic counters;
-        every second, read the broker's clock."""
+    def _watch_broker(self, cell: Cell) -> None:
+        """Every 100 ms (50 while it is down): sweep the cell's replicas whose lease lapsed,
+        which is also the probe of its broker, and add the admissions to its traffic
+        counters; every second, read the clock (the first cell's broker keeps it). A cell
+        silent for `MOVE_AFTER_S` after a failed call sends its waiting requests to the
+        cells that answer. Those it keeps wait on: its replicas answer a batch they ran
+        through another cell (tasks/replica/fallback.py). With no other cell answering,
+        they end 503 once it is down."""
         min_ms = self.settings.batch_ms + self.settings.deadline_margin_ms
         last_sync = 0.0
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired, deaths = self._sweep(min_ms)
+                swept, requeued, expired, deaths = cell.sweep(min_ms)
                 if swept:
-                    log.warning("swept %d lapsed replicas: %d requests re-queued, %d expired", swept, requeued, expired)
-                if self._deaths is not None and deaths != self._deaths:
+                    log.warning(
+                        "cell %d: swept %d lapsed replicas: %d requests re-queued, %d expired",
+                        cell.index, swept, requeued, expired,
+                    )  # fmt: skip
+                if cell.deaths is not None and deaths != cell.deaths:
                     # A replica died (this process swept it, another did, or a supervisor
                     # released it): what it had popped and not yet recorded is nowhere.
-                    threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(min_ms,)).start()
-                self._deaths = deaths
-                self._flush_arrivals()
-                self._release_orphans()
-                if isinstance(self.clock, BrokerClock) and time.monotonic() - last_sync > 1.0:
-                    self.clock.sync()
+                    threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(cell, min_ms)).start()
+                cell.deaths = deaths
+                self._flush_arrivals(cell)
+                self._release_orphans(cell)
+                is_clock = cell.index == 0 and isinstance(self.clock, BrokerClock)
+                if is_clock and time.monotonic() - last_sync > 1.0:
+                    cast("BrokerClock", self.clock).sync()
                     last_sync = time.monotonic()
-                self.health.ok()
+                if cell.health.silent_s:  # back after an outage: its registry may have changed (a
+                    cell.fleet.refresh()  # restarted broker holds none until its replicas beat again)
+                cell.health.ok()
                 failed_waiting = False
             except redis.RedisError as exc:
-                self.health.failed(exc)
-                if self.health.is_down and not failed_waiting:
-                    self._fail_all_waiting()  # nothing will come back to them
+                cell.health.failed(exc)
+                if cell.health.silent_s >= MOVE_AFTER_S:
+                    self._move_waiting(cell)  # each round: requests registered since go too
+                if cell.health.is_down and not failed_waiting and not self._others_answer(cell):
+                    self._fail_waiting(cell)  # nothing will come back to them
                     failed_waiting = True
             except Exception:
                 log.exception("broker health loop")
-            threading.Event().wait(0.05 if self.health.is_down else 0.1)
+            threading.Event().wait(0.05 if cell.health.silent_s else 0.1)
 
-    def _rescue_waiting(self, min_ms: float) -> None:
-        """Offer this process's waiting requests to RESCUE (control/broker/scripts.py): those a
-        dead replica had taken from the queue and not yet recorded go back to the queue."""
+    def _others_answer(self, cell: Cell) -> bool:
+        return any(not other.health.is_down for other in self.cells if other is not cell)
+
+    def _waiting_in(self, cell: Cell) -> list[Waiter]:
         with self._lock:
-            group = {w.attempt: w for ws in self.waiters.values() for w in ws if w.item is None and w.enqueued}
+            return [w for group in self.waiters.values() for w in group if w.cell == cell.index and w.item is None]
+
+    def _rescue_waiting(self, cell: Cell, min_ms: float) -> None:
+        """Offer this process's waiting requests in the cell to RESCUE (control/broker/scripts.py):
+        those a dead replica had taken from the queue and not yet recorded go back to it."""
+        waiting = list({w.attempt: w for w in self._waiting_in(cell) if w.enqueued}.values())
         rescued = 0
-        waiting = list(group.values())
         try:
             for start in range(0, len(waiting), RESCUE_CHUNK):
                 offers = [_rescue_offer(w) for w in waiting[start : start + RESCUE_CHUNK]]
-                rescued += self._rescue(min_ms, offers)
+                rescued += cell.rescue(min_ms, offers)
         except redis.RedisError as exc:
             log.warning("could not offer waiting requests for rescue: %s", exc)
         if rescued:
             log.warning("re-queued %d requests a dead replica had taken and not recorded", rescued)
 
-    def _release_orphans(self) -> None:
-        """Requests of a model that has no live replica left end now with 503 (which a
-        gateway with peer regions forwards), not at their deadline with a 504."""
-        orphaned = {m for m in self.settings.models if self.fleet.capacity(m).num_replicas == 0}
+    def _release_orphans(self, cell: Cell) -> None:
+        """Requests of a model that has no live replica left in their cell go to another
+        cell that serves it; with none, they end now with 503 (which a gateway with peer
+        regions forwards), not at their deadline with a 504."""
+        orphaned = {m for m in self.settings.models if cell.fleet.capacity(m).num_replicas == 0}
         if not orphaned or not self.waiters:
             return
-        with self._lock:
-            waiting = [w for group in self.waiters.values() for w in group if w.job.model in orphaned]
-        for waiter in waiting:
-            if waiter.item is None:
+        for waiter in self._waiting_in(cell):
+            if waiter.job.model in orphaned and not self._move(waiter):
                 self._give_up(waiter, "no_replica")
                 waiter.resolve(p.Dropped(id=waiter.attempt, reason="no_replica", replica=""))
 
-    def _fail_all_waiting(self) -> None:
-        with self._lock:
-            groups = list(self.waiters.values())
-        log.warning("broker unreachable: answering %d waiting requests 503", sum(map(len, groups)))
-        for group in groups:
-            for waiter in group:
-                waiter.resolve(p.Dropped(id=waiter.attempt, reason="unavailable", replica=""))
+    def _move_waiting(self, cell: Cell) -> None:
+        """Send the cell's waiting requests to the next cells that answer, within budget."""
+        waiting = self._waiting_in(cell)
+        moved = sum(self._move(w) for w in waiting)
+        if moved:
+            log.warning("cell %d is silent: %d of %d waiting requests sent on", cell.index, moved, len(waiting))
+
+    def _move(self, waiter: Waiter) -> bool:
+        """Enqueue a waiting request again in another cell (its next in order that answers
+        and serves its model, with room within what is left of its budget). It keeps its
+        attempt: whichever cell answers first answers it. Streamed text already sent keeps
+        a request where it is. True if it moved."""
+        job, here = waiter.job, waiter.cell
+        if len(self.cells) == 1 or waiter.has_text or waiter.item is not None:
+            return False
+        now = self.clock.now_ms()
+        budget = job.deadline_ms - now
+        for index in cell_order(waiter.session or job.key, len(self.cells)):
+            cell = self.cells[index]
+            if index == here or cell.health.is_down:
+                continue
+            capacity = cell.fleet.capacity(job.model)
+            if admission.check(budget, capacity, self.limits) != Verdict.ADMIT:
+                continue
+            deepest = self._deepest(cell, job, budget, capacity, now)
+            try:
+                verdict, _position, _retry = self._enqueue(cell, waiter, waiter.session, deepest, capacity)
+            except ApiError:
+                continue
+            if verdict == Verdict.ADMIT:
+                waiter.cell = index
+                self.metrics.moved.inc()
+                return True
+        return False
+
+    def _fail_waiting(self, cell: Cell) -> None:
+        waiting = self._waiting_in(cell)
+        log.warning("cell %d unreachable: answering %d waiting requests 503", cell.index, len(waiting))
+        for waiter in waiting:
+            waiter.resolve(p.Dropped(id=waiter.attempt, reason="unavailable", replica=""))
 
     # -- replies ---------------------------------------------------------------------
 
-    def _listen(self) -> None:
+    def _listen(self, cell: Cell) -> None:
         key = keys.reply_key(self.id)
-        client = self._listener
+        client = cell.listener
         backlog: list[bytes | str] = []
         while True:
             try:
@@ -558,10 +603,10 @@ class Gateway:
                 else:
                     raws, backlog = backlog, []
             except redis.RedisError:
-                log.warning("reply listener lost Redis; retrying")
+                log.warning("cell %d: reply listener lost its broker; retrying", cell.index)
                 threading.Event().wait(0.2)
                 continue
-            self.health.ok()
+            cell.health.ok()
             for raw in raws:
                 try:
                     self._deliver(p.Reply.model_validate_json(raw))
@@ -614,13 +659,26 @@ class Gateway:
             del self._early[oldest]
 
     def readiness(self) -> dict[str, int]:
-        """Ready replicas per configured model."""
+        """Ready replicas per configured model, in the cells whose broker answers."""
         self.start()
         counts = dict.fromkeys(self.settings.models, 0)
-        for rep in self.fleet.replicas:
-            if rep.is_ready and rep.model in counts:
-                counts[rep.model] += 1
+        for cell in self.cells:
+            if cell.health.is_down or not cell.fleet.is_reachable:
+                continue
+            for rep in cell.fleet.replicas:
+                if rep.is_ready and rep.model in counts:
+                    counts[rep.model] += 1
         return counts
+
+    def ping(self) -> bool:
+        """Whether any cell's broker answers (each asked in turn)."""
+        for cell in self.cells:
+            try:
+                cell.redis.ping()
+                return True
+            except redis.RedisError:
+                continue
+        return False
 
 
 def body_fingerprint(job: p.Job) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import redis
 from flask import Blueprint, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -40,10 +39,8 @@ def healthz() -> Response:
 def readyz() -> Response:
     """Ready when the broker answers and every configured model has a replica."""
     gw = gateway()
-    try:
-        gw.redis.ping()
-    except redis.RedisError:
-        raise ApiError(503, "the broker is unreachable", "broker_unavailable", retry_after_s=1) from None
+    if not gw.ping():
+        raise ApiError(503, "the broker is unreachable", "broker_unavailable", retry_after_s=1)
     gw.fleet.refresh()
     counts = gw.readiness()
     missing = sorted(m for m, n in counts.items() if n == 0)

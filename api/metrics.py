@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from api.errors import ApiError
-from control.broker.registry import FleetView
+from control.broker.registry import FleetViews
 from control.broker.traffic import read_traffic
 from control.core.settings import Settings
 
@@ -25,7 +25,7 @@ _OVERHEAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 
 
 class Metrics:
-    def __init__(self, fleet: FleetView) -> None:
+    def __init__(self, fleet: FleetViews) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -85,6 +85,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.moved = Counter(
+            "keybatch_requests_moved",
+            "Waiting requests sent to another cell while their own cell's broker did not answer",
+            registry=r,
+        )
         self.inflight = Gauge(
             "keybatch_inflight", "Requests waiting in the gateway", registry=r, multiprocess_mode="livesum"
         )
@@ -107,7 +112,7 @@ class Metrics:
         return child
 
 
-def _engine_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
+def _engine_families(fleet: FleetViews) -> Iterator[GaugeMetricFamily]:
     """Each engine counter a replica publishes, and the prefix cache's hit rate."""
     families: dict[str, GaugeMetricFamily] = {}
     hit_rate = GaugeMetricFamily(
@@ -130,9 +135,9 @@ def _engine_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
     yield hit_rate
 
 
-def _queue_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
-    """Queue depth and the oldest waiting request per model and tier, read off the broker
-    at scrape time (the whole deployment, not this process)."""
+def _queue_families(fleet: FleetViews) -> Iterator[GaugeMetricFamily]:
+    """Queue depth and the oldest waiting request per model and tier, read off every cell's
+    broker at scrape time (the whole deployment, not this process)."""
     waiting = GaugeMetricFamily(
         "keybatch_num_requests_waiting", "Requests admitted and not yet in a batch", labels=["model", "tier"]
     )
@@ -140,9 +145,10 @@ def _queue_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
         "keybatch_oldest_waiting_seconds", "Age of the oldest request in the queue", labels=["model", "tier"]
     )
     models = sorted({rep.model for rep in fleet.replicas})
+    clients = [view.client for view in fleet.views]
     try:
-        rows = read_traffic(fleet.client, models, window_s=1) if models else []
-    except Exception:  # a scrape must answer even while the broker does not
+        rows = read_traffic(clients, models, window_s=1) if models else []
+    except Exception:  # a scrape must answer even while a broker does not
         rows = []
     for row in rows:
         waiting.add_metric([row.model, row.tier], row.num_queued)
@@ -153,7 +159,7 @@ def _queue_families(fleet: FleetView) -> Iterator[GaugeMetricFamily]:
 class _FleetCollector(Collector):
     """Replica figures from the registry the gateway already keeps a copy of."""
 
-    def __init__(self, fleet: FleetView) -> None:
+    def __init__(self, fleet: FleetViews) -> None:
         self.fleet = fleet
 
     def collect(self) -> Iterator[Metric]:

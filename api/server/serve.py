@@ -185,7 +185,8 @@ def _init_worker(worker: Any) -> None:
     # A worker told to stop (SIGTERM) finishes its requests but admits no new ones.
     gateway = worker.wsgi.extensions["keybatch"]
     gateway.is_serving = lambda: worker.alive
-    cooperative_pool_queue(gateway.redis.connection_pool)  # before anything borrows from it
+    for cell in gateway.cells:
+        cooperative_pool_queue(cell.redis.connection_pool)  # before anything borrows from it
     gateway.start()  # the registry is read before the first request, not by it
     unpatched_pool_checks()
     quiet_pool_telemetry()

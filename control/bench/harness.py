@@ -34,7 +34,7 @@ import psutil
 from control.core.procs import free_port
 from control.core.settings import Settings
 from control.core.vocab import FREE, PAID, Backend, Policy, Tier
-from control.fleet.credentials import credentials_path, read_operator_url
+from control.fleet.credentials import credentials_path, read_operator_cells, read_operator_url
 from control.fleet.up import Plan, System
 
 MODEL = "kb-small"
@@ -92,8 +92,10 @@ class Deployment:
         models: Sequence[str] = (MODEL,),
         backend: Backend = "fixed",
         policy: Policy | None = None,  # None: the POLICY setting of `env`
+        cells: int = 1,
     ) -> None:
         self.name = name
+        self.cells = cells
         self.backend, self.policy = backend, policy
         self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
@@ -110,6 +112,7 @@ class Deployment:
         cmd = [sys.executable, "-m", "control", "up", "--backend", self.backend]
         cmd += ["--policy", self.policy] if self.policy else []
         cmd += ["--workers", str(self.replicas_wanted)]
+        cmd += ["--cells", str(self.cells)] if self.cells > 1 else []
         cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(
@@ -143,9 +146,9 @@ class Deployment:
     def remember(self) -> None:
         for proc in self.descendants():
             self.seen.setdefault(proc.pid, proc)
-        broker = self.broker()
-        if broker is not None:
-            self.seen.setdefault(broker.pid, broker)
+        for broker in [self.broker(), *self.cell_brokers()]:
+            if broker is not None:
+                self.seen.setdefault(broker.pid, broker)
 
     def replicas(self) -> list[tuple[str, psutil.Process]]:
         """(replica name, process), sorted by name so a seed picks the same victim."""
@@ -177,6 +180,21 @@ class Deployment:
             if url:
                 return url
         return None
+
+    def cell_urls(self) -> list[str]:
+        """The operator's URL of each cell that `up` left for the tools."""
+        secrets_dir = self.env.get("KEYBATCH_SECRETS_DIR")
+        where = Path(secrets_dir).expanduser() if secrets_dir else Settings().secrets_dir
+        return read_operator_cells(credentials_path(where, self.port))
+
+    def cell_brokers(self) -> list[psutil.Process | None]:
+        """Each cell's valkey-server child of `up`, in the cells' order (None: not found)."""
+        brokers = [proc for proc in self.descendants() if role(proc) == "broker"]
+        found: list[psutil.Process | None] = []
+        for url in self.cell_urls():
+            port = urlsplit(url).port
+            found.append(next((proc for proc in brokers if port and serves_port(proc, port)), None))
+        return found
 
     def broker(self) -> psutil.Process | None:
         """A valkey-server child of `up`, else the daemon listening on the children's broker port."""

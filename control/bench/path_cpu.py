@@ -47,7 +47,7 @@ THIS_CHECKOUT = Path(__file__).resolve().parents[2]
 KINDS = ("gateway", "replica", "broker")  # the processes a request passes through, in its order
 
 
-def _cpu_s(procs: list[psutil.Process]) -> float:
+def cpu_seconds(procs: list[psutil.Process]) -> float:
     total = 0.0
     for proc in procs:
         try:
@@ -90,9 +90,9 @@ def measure(checkout: str, args: argparse.Namespace, extra_env: dict[str, str] |
     try:
         generate(LoadSpec(deployment.url, args.rate, WARMUP_S, model=MODEL, seed=7), show_progress=False)
         procs = _processes(deployment)
-        before = {kind: _cpu_s(procs[kind]) for kind in KINDS}
+        before = {kind: cpu_seconds(procs[kind]) for kind in KINDS}
         records = generate(LoadSpec(deployment.url, args.rate, args.duration, model=MODEL, seed=1), show_progress=False)
-        after = {kind: _cpu_s(procs[kind]) for kind in KINDS}
+        after = {kind: cpu_seconds(procs[kind]) for kind in KINDS}
     finally:
         deployment.stop()
     summary = summarize(records)["all"]

@@ -184,6 +184,7 @@ class ReplicaInfo:
     wasted_ms: float = 0.0  # their share of the model's time
     taken_shut: int = 0  # requests taken by a pull sent before its gate shut
     handed_back: int = 0  # of those, put back at the front of the queue
+    cell: int = 0  # the cell (broker) whose registry it was read from
 
     @property
     def is_ready(self) -> bool:

@@ -21,12 +21,12 @@ from control.broker import keys
 from control.broker.records import ENGINE_PREFIX, ReplicaInfo, parse_replica_entry
 from control.policy.admission import Capacity, pooled_capacity
 
-__all__ = ["ENGINE_PREFIX", "FleetView", "ReplicaInfo", "capacity_of", "read_fleet"]
+__all__ = ["ENGINE_PREFIX", "FleetView", "FleetViews", "ReplicaInfo", "capacity_of", "read_fleet"]
 
 log = logging.getLogger(__name__)
 
 
-def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
+def read_fleet(client: redis.Redis, cell: int = 0) -> list[ReplicaInfo]:
     members = cast("set[bytes]", client.smembers(keys.REPLICAS_KEY))  # the client does not decode replies
     names = sorted(n.decode() for n in members)
     if not names:
@@ -41,7 +41,8 @@ def read_fleet(client: redis.Redis) -> list[ReplicaInfo]:
     fleet, dead = [], []
     for name, h, lease in zip(names, replies[::2], replies[1::2], strict=True):
         if h:
-            fleet.append(parse_replica_entry(name, h, bool(lease), now_ms))
+            info = parse_replica_entry(name, h, bool(lease), now_ms)
+            fleet.append(replace(info, cell=cell) if cell else info)
         else:
             dead.append(name)
     if dead:
@@ -59,8 +60,9 @@ def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
 class FleetView:
     """A copy of the registry, refreshed in the background every `refresh_s`."""
 
-    def __init__(self, client: redis.Redis, refresh_s: float = 0.25) -> None:
+    def __init__(self, client: redis.Redis, refresh_s: float = 0.25, cell: int = 0) -> None:
         self.client = client
+        self.cell = cell
         self.refresh_s = refresh_s
         self.replicas: list[ReplicaInfo] = []
         self._capacity: dict[str, Capacity] = {}  # per model, for the `replicas` read last
@@ -87,7 +89,7 @@ class FleetView:
 
     def refresh(self) -> None:
         try:
-            replicas = read_fleet(self.client)
+            replicas = read_fleet(self.client, self.cell)
             self.replicas, self._capacity = replicas, {}
             self.num_wasted = int(self.client.get(keys.WASTED_KEY) or 0)
             self.is_reachable = True
@@ -110,3 +112,22 @@ class FleetView:
         if capacity is None:
             capacity = cache[model] = capacity_of(self.replicas, model)
         return capacity
+
+
+class FleetViews:
+    """The registries of every cell, read as one fleet (each replica names its cell)."""
+
+    def __init__(self, views: list[FleetView]) -> None:
+        self.views = views
+
+    @property
+    def replicas(self) -> list[ReplicaInfo]:
+        return [rep for view in self.views for rep in view.replicas]
+
+    @property
+    def num_wasted(self) -> int:
+        return sum(view.num_wasted for view in self.views)
+
+    def refresh(self) -> None:
+        for view in self.views:
+            view.refresh()

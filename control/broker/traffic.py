@@ -88,34 +88,41 @@ def _percentile(counts: list[int], q: float) -> float | None:
     return float(LATENCY_BOUNDS_MS[-1])
 
 
-def read_traffic(client: redis.Redis, models: list[str], window_s: int = 10) -> list[TierTraffic]:
-    """The last `window_s` whole seconds on the broker's clock, for each model and tier."""
-    seconds, _micro = client.time()
-    last = int(seconds) - 1  # the current second is still filling
-    now_ms = int(seconds) * 1000 + _micro / 1000
-    pipe = client.pipeline(transaction=False)
-    for s in range(last - window_s + 1, last + 1):
-        pipe.hgetall(keys.traffic_key(s))
+def read_traffic(clients: redis.Redis | list[redis.Redis], models: list[str], window_s: int = 10) -> list[TierTraffic]:
+    """The last `window_s` whole seconds on each broker's clock, for each model and tier,
+    summed over the cells (one client each)."""
     pairs = [(m, t) for m in models for t in TIERS]
-    for model, tier in pairs:
-        for behind in (False, True):  # in line, and behind other tenants' requests
-            pipe.zcount(keys.waiting_key(model, tier, behind), now_ms, "+inf")
-            pipe.lindex(keys.queue_key(model, tier, behind), -1)  # kombu pops from the right: the oldest
-    replies = pipe.execute()
-    buckets, rest = replies[:window_s], replies[window_s:]
     totals: Counter[str] = Counter()
-    for h in buckets:
-        for k, v in h.items():
-            totals[k.decode()] += int(v)
+    queued: Counter[tuple[str, str]] = Counter()
+    oldest: dict[tuple[str, str], float] = dict.fromkeys(pairs, 0.0)
+    for client in clients if isinstance(clients, list) else [clients]:
+        seconds, _micro = client.time()
+        last = int(seconds) - 1  # the current second is still filling
+        now_ms = int(seconds) * 1000 + _micro / 1000
+        pipe = client.pipeline(transaction=False)
+        for s in range(last - window_s + 1, last + 1):
+            pipe.hgetall(keys.traffic_key(s))
+        for model, tier in pairs:
+            for behind in (False, True):  # in line, and behind other tenants' requests
+                pipe.zcount(keys.waiting_key(model, tier, behind), now_ms, "+inf")
+                pipe.lindex(keys.queue_key(model, tier, behind), -1)  # kombu pops from the right: the oldest
+        replies = pipe.execute()
+        buckets, rest = replies[:window_s], replies[window_s:]
+        for h in buckets:
+            for k, v in h.items():
+                totals[k.decode()] += int(v)
+        for pair, (n, tail, n_behind, tail_behind) in zip(pairs, _fours(rest), strict=True):
+            queued[pair] += int(n) + int(n_behind)
+            oldest[pair] = max(oldest[pair], _age_ms(tail, now_ms), _age_ms(tail_behind, now_ms))
     out = []
-    for (model, tier), (queued, tail, queued_behind, tail_behind) in zip(pairs, _fours(rest), strict=True):
+    for model, tier in pairs:
         lat = [totals[f"{model}|{tier}|lat{i}"] for i in range(len(LATENCY_BOUNDS_MS))]
         out.append(
             TierTraffic(
                 model=model,
                 tier=tier,
-                num_queued=int(queued) + int(queued_behind),
-                oldest_ms=max(_age_ms(tail, now_ms), _age_ms(tail_behind, now_ms)),
+                num_queued=queued[(model, tier)],
+                oldest_ms=oldest[(model, tier)],
                 arrival_rate=totals[arrival_field(model, tier)] / window_s,
                 completion_rate=totals[f"{model}|{tier}|done"] / window_s,
                 p50_ms=_percentile(lat, 0.5),

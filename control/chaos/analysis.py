@@ -18,6 +18,7 @@ from control.load.summary import percentile
 WINDOW_S = 1.0  # recovery is judged on windows of this length after the fault
 P99_SLACK = 1.10  # ...whose p99 is within 10% of the pre-fault p99
 FAST_503_MS = 100.0
+CELL_WINDOW_S = 5.0  # cell-loss: each cell's p99 over this long from the fault's end, against before it
 
 
 # The gateway's counters the report shows as deltas over the load (summed over labels).
@@ -142,10 +143,33 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         },
         "slowloris": run.slowloris,
         "idle_connections": run.idle,
+        "cells": _cells(records, injections) if spec.cells > 1 else None,
         "timeline": timeline(records, spec.duration_s, _group),
         "failed": failed,
         "ok": not failed,
     }
+
+
+def _cells(records: list[Record], injections: list[Injection]) -> dict[str, dict[str, object]]:
+    """Per cell that answered: the p99 of its 200s sent before the first fault, and of
+    those sent from each fault until `CELL_WINDOW_S` after its end (a request a silent
+    cell's gateway moved counts for the cell that answered it)."""
+    first = injections[0].at_s if injections else float("inf")
+    out: dict[str, dict[str, object]] = {}
+    for cell in sorted({r.cell for r in records if r.status == 200 and r.cell >= 0}):
+        ok = [r for r in records if r.status == 200 and r.cell == cell]
+        before = [r.latency_ms for r in ok if r.sent_s < first]
+        during = [
+            r.latency_ms for r in ok for i in injections if i.at_s <= r.sent_s < (i.ended_s or i.at_s) + CELL_WINDOW_S
+        ]
+        out[str(cell)] = {
+            "lost_cell": any(i.cell == cell for i in injections),
+            "answered_200": len(ok),
+            "p99_before_ms": percentile(before, 99) if before else None,
+            "p99_during_ms": percentile(during, 99) if during else None,
+            "answered_200_during": len(during),
+        }
+    return out
 
 
 def _median(values: list[float]) -> float | None:

@@ -117,6 +117,21 @@ async def _broker_loss(run: Run) -> Injection:
     return await _signal_one(run, "broker", await asyncio.to_thread(_broker_of, run.target), signal.SIGKILL)
 
 
+async def _cell_loss(run: Run) -> Injection:
+    """One cell's broker SIGKILLed (the supervisor restarts it, empty) or, with `pause`,
+    SIGSTOPped for PAUSE_S: the gateway sends what waits there to the other cells."""
+    brokers = await asyncio.to_thread(run.target.cell_brokers)
+    cells = [(f"cell {i}", proc) for i, proc in enumerate(brokers) if proc is not None]
+    found = _pick(run, cells)
+    what = f"the broker of {found[0]}" if found is not None else "a cell's broker"
+    if run.spec.pause:
+        injection = await _pause(run, what, found)
+    else:
+        injection = await _signal_one(run, what, found, signal.SIGKILL)
+    injection.cell = int(found[0].split()[1]) if found is not None else None
+    return injection
+
+
 async def _gateway_kill(run: Run) -> Injection:
     workers = await asyncio.to_thread(run.target.gateway_workers)
     found = _pick(run, [("", proc) for proc in workers])
@@ -174,6 +189,7 @@ FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "replica-hang": _replica_hang_timed,
     "broker-stall": _broker_stall,
     "broker-loss": _broker_loss,
+    "cell-loss": _cell_loss,
     "gateway-kill": _gateway_kill,
     "client-hangup": _client_hangup,
     "region-loss": _region_loss,
@@ -181,7 +197,7 @@ FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "idle-connections": _idle_connections,
     "overload-spike": _overload_spike,
 }
-REPEATABLE = {"replica-kill", "replica-hang", "broker-stall", "broker-loss", "gateway-kill"}
+REPEATABLE = {"replica-kill", "replica-hang", "broker-stall", "broker-loss", "cell-loss", "gateway-kill"}
 
 
 async def inject(run: Run) -> None:

@@ -20,6 +20,7 @@ class Injection:
     note: str = ""
     requeue_ms: float | None = None  # replica faults: until what it held was back in the queue
     recover_s: float | None = None  # filled in by the analysis
+    cell: int | None = None  # cell-loss: the cell whose broker it was
 
 
 @dataclass

@@ -24,8 +24,9 @@ def save(report: dict, json_path: str | None) -> int:
 
 def print_report(report: dict) -> None:
     spec = report["spec"]
+    cells = f" in {spec['cells']} cells" if spec.get("cells", 1) > 1 else ""
     table = figure_table(
-        f"keybatch chaos {report['scenario']}: {spec['replicas']} replicas, "
+        f"keybatch chaos {report['scenario']}: {spec['replicas']} replicas{cells}, "
         f"{report['rps']:.0f} req/s ({spec['load']:.0%} of {report['capacity_rps']:.0f}), "
         f"{spec['paid_share']:.0%} paid, {spec['duration_s']:.0f} s"
     )
@@ -54,6 +55,13 @@ def print_report(report: dict) -> None:
             f"{name}: sent, statuses, p99", f"{group['sent']}; {counts(group['statuses'])}; {ms(group['p99_ms'])}", ""
         )
         table.add_row("  paid: statuses, p99", f"{counts(group['paid_statuses'])}; {ms(group['paid_p99_ms'])}", "")
+    for cell, row in (report.get("cells") or {}).items():
+        lost = " (its broker lost)" if row["lost_cell"] else ""
+        table.add_row(
+            f"cell {cell}{lost}: p99 before, during",
+            f"{ms(row['p99_before_ms'])}, {ms(row['p99_during_ms'])} ({row['answered_200_during']} answered 200)",
+            "",
+        )
     s503 = report["status_503"]
     table.add_row("503s: count, p99", f"{s503['count']}; {ms(s503['p99_ms'])}", f"<= {FAST_503_MS:.0f} ms")
     if report["slowloris"]:

@@ -38,6 +38,8 @@ class ChaosSpec:
     backend: Backend = "fixed"
     policy: Policy = "static"
     idle: IdleSpec | None = None  # client-hangup --idle: faults one at a time, no load
+    cells: int = 1
+    pause: bool = False  # cell-loss: SIGSTOP the broker for PAUSE_S instead of SIGKILL
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:
@@ -60,6 +62,8 @@ class ChaosSpec:
             args.backend,
             args.policy,
             idle,
+            args.cells or (3 if args.scenario == "cell-loss" else 1),
+            args.pause,
         )
 
     def problem(self) -> str | None:
@@ -67,6 +71,12 @@ class ChaosSpec:
             if self.scenario != "client-hangup":
                 return "--idle is a variant of client-hangup only"
             return self.idle.problem()
+        if self.scenario == "cell-loss" and self.cells < 2:
+            return "cell-loss needs --cells 2 or more (one is lost, the others serve)"
+        if self.pause and self.scenario != "cell-loss":
+            return "--pause is a variant of cell-loss only"
+        if self.replicas < self.cells:
+            return "--replicas must be at least --cells (each cell needs a replica)"
         if self.replicas < 1 or self.repeat < 1:
             return "--replicas and --repeat must be at least 1"
         if not 0 < self.load <= 10 or not 0 <= self.paid_share <= 1:
@@ -82,7 +92,7 @@ def deployments_for(spec: ChaosSpec) -> list[Deployment]:
     """The deployments, the one under load first."""
     if spec.scenario != "region-loss":
         env = child_env(PAID_KEY, FREE_KEY)
-        return [Deployment("main", spec.replicas, env, backend=spec.backend, policy=spec.policy)]
+        return [Deployment("main", spec.replicas, env, backend=spec.backend, policy=spec.policy, cells=spec.cells)]
     b = Deployment("b", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="b"))
     a = Deployment("a", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="a", peers=json.dumps([b.url])))
     return [a, b]

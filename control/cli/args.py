@@ -167,6 +167,7 @@ CHAOS_SCENARIOS = {  # control/chaos/faults.py has one fault for each
     "replica-hang": "SIGSTOP a replica for 5 s, then SIGCONT",
     "broker-stall": "SIGSTOP the broker for 5 s, then SIGCONT",
     "broker-loss": "SIGKILL the broker (the supervisor should restart it)",
+    "cell-loss": "--cells N (default 3): SIGKILL one cell's broker, or with --pause SIGSTOP it for 5 s",
     "gateway-kill": "SIGKILL one gateway worker process",
     "client-hangup": "20% of clients close their connection 100 ms after sending",
     "region-loss": "two deployments, A with peer B; SIGKILL A's broker and replicas",
@@ -182,6 +183,8 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("scenario", choices=list(CHAOS_SCENARIOS), metavar="SCENARIO", help="see below")
     p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--cells", type=int, default=None, help="`up --cells` (default 1; cell-loss: 3)")
+    p.add_argument("--pause", action="store_true", help="cell-loss: SIGSTOP the cell's broker for 5 s, not SIGKILL")
     p.add_argument("--load", type=float, default=0.7, help="share of capacity (replicas x batch per batch time)")
     p.add_argument("--paid-share", type=float, default=0.3)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
@@ -264,6 +267,9 @@ def add_broker_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-rounds", type=int, default=5, help="replays of the sample on a fresh Valkey (0: none)")
     p.add_argument("--target-rps", type=float, default=40_000.0, help="requests per second a region must carry")
     p.add_argument("--utilization", type=float, default=0.5, help="the share of a Valkey core to plan on")
+    p.add_argument(
+        "--cells", default=None, help="e.g. 1,2,3: the same load on deployments of that many cells, compared"
+    )
     p.add_argument("--json", default=None, help="write all figures here")
 
 

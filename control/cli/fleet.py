@@ -66,13 +66,27 @@ def _fleet(op: Operator, args: argparse.Namespace) -> int:
 
 def format_fleet(snap: FleetSnapshot) -> str:
     rows: list[tuple[str, ...]] = [
-        ("REPLICA", "HOST", "PID", "MODEL", "STATE", "HELD", "FILL", "DUTY", "CYCLE MS", "P50/P99 MS", "BEAT MS")
+        (
+            "REPLICA",
+            "CELL",
+            "HOST",
+            "PID",
+            "MODEL",
+            "STATE",
+            "HELD",
+            "FILL",
+            "DUTY",
+            "CYCLE MS",
+            "P50/P99 MS",
+            "BEAT MS",
+        )
     ]
     for r in snap.replicas:
         state = r.state_label + (f"->{r.moving_to}" if r.moving_to else "") + ("" if r.is_ready else "*")
         rows.append(
             (
                 r.name,
+                str(r.cell),
                 r.host,
                 str(r.pid),
                 r.model,

@@ -48,6 +48,9 @@ def _add_serving_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     up.add_argument("--policy", choices=POLICIES, default=None, help="default: the POLICY setting")
     up.add_argument("--models", default="", help="comma-separated model names (default: all configured)")
     up.add_argument("--port", type=int, default=None)
+    up.add_argument(
+        "--cells", type=int, default=None, help="embedded brokers, one cell each, replicas spread over them (default 1)"
+    )
 
     sub.add_parser("api", help="one gateway (HTTP) process group").add_argument("--port", type=int, default=None)
 
@@ -145,6 +148,7 @@ def _add_watching_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     flower = sub.add_parser("flower", help="Celery Flower against the same broker")
     flower.add_argument("--flower-port", type=int, default=5555)
     flower.add_argument("--port", type=int, default=None, help="the deployment whose gateway serves on this port")
+    flower.add_argument("--cell", type=int, default=0, help="the cell to watch (one Flower a cell)")
     flower.add_argument(
         "--address", default="127.0.0.1", help="where to listen; anything but loopback needs --basic-auth"
     )
@@ -169,18 +173,18 @@ def main(argv: list[str] | None = None) -> int:
 def operator_settings(settings: Settings) -> Settings:
     """The settings an operator's tool acts with: the configured broker URL, else the
     operator's credentials that `keybatch up` (serving on PORT) left in SECRETS_DIR."""
-    if settings.redis_url is not None or settings.broker_url is not None:
+    if settings.redis_url is not None or settings.broker_url is not None or settings.cells:
         return settings
-    from control.fleet.credentials import credentials_path, read_operator_url
+    from control.fleet.credentials import credentials_path, read_operator_cells
 
     path = credentials_path(settings.secrets_dir, settings.port)
-    url = read_operator_url(path)
-    if url is None:
+    cells = read_operator_cells(path)
+    if not cells:
         raise SystemExit(
             f"keybatch: no broker: set KEYBATCH_REDIS_URL, or run this as the user who ran `keybatch up` "
             f"(it leaves the operator's credentials in {path}; KEYBATCH_PORT picks the deployment)"
         )
-    return settings.model_copy(update={"redis_url": url})
+    return settings.model_copy(update={"redis_url": cells[0], "cells": cells if len(cells) > 1 else []})
 
 
 def _up(settings: Settings, args: argparse.Namespace) -> int:
@@ -193,7 +197,14 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
         models = ensure_models(settings, models)
         if not models:
             return 2
-    plan = Plan(workers=args.workers, backend=args.backend, policy=args.policy, models=models, port=settings.port)
+    plan = Plan(
+        workers=args.workers,
+        backend=args.backend,
+        policy=args.policy,
+        models=models,
+        port=settings.port,
+        cells=args.cells,
+    )
     try:
         system = System(settings, plan)
     except PlanError as exc:
@@ -266,6 +277,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.peer import run_peer
 
         return run_peer(settings, args)
+    if args.bench == "broker" and args.cells:
+        from control.bench.cells import run_cells_bench
+
+        return run_cells_bench(args)
     if args.bench == "broker":
         from control.bench.broker_cost import run_broker
 
@@ -337,6 +352,10 @@ def _flower(settings: Settings, args: argparse.Namespace) -> int:
         )
         return 2
     settings = operator_settings(settings)  # Flower's inspect commands are remote control
+    if not 0 <= args.cell < len(settings.cell_urls):
+        print(f"keybatch flower: --cell {args.cell}: the deployment has {len(settings.cell_urls)}", file=sys.stderr)
+        return 2
+    settings = settings.model_copy(update={"broker_url": settings.cell_urls[args.cell], "cells": []})
     if not auth:  # loopback is every local user's: a generated password, kept privately
         auth = _flower_credential(settings, args.flower_port)
     argv = ["flower", f"--port={args.flower_port}", f"--address={args.address}", f"--basic-auth={auth}"]

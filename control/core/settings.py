@@ -31,6 +31,13 @@ class Settings(BaseSettings):
         description="redis://, rediss://, unix:// or sentinel:// URL of the state server",
     )
     broker_url: str | None = Field(None, description="Celery broker URL (defaults to REDIS_URL)")
+    cells: list[str] = Field(
+        default_factory=list,
+        description=(
+            "broker URLs, one cell each (JSON list; a sentinel:// URL's host list has commas): a request's "
+            "cell follows its key and session, each replica serves one cell; empty: one cell, REDIS_URL"
+        ),
+    )
     broker_maxmemory_mb: int = Field(
         1024, ge=16, description="embedded Valkey's memory limit; full, it refuses new work (503), evicts nothing"
     )
@@ -203,6 +210,15 @@ class Settings(BaseSettings):
             check_url(url)
         return url
 
+    @field_validator("cells")
+    @classmethod
+    def _check_cells(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            check_url(url)
+        if len(set(urls)) != len(urls):
+            raise ValueError("each cell needs its own broker: a URL appears twice")
+        return urls
+
     @field_validator("secrets_dir")
     @classmethod
     def _expand_home(cls, path: Path) -> Path:
@@ -223,17 +239,23 @@ class Settings(BaseSettings):
 
     @property
     def broker(self) -> str:
-        url = self.broker_url or self.redis_url
+        url = self.broker_url or self.redis_url or next(iter(self.cells), None)
         if url is None:
             raise RuntimeError("no broker: set KEYBATCH_REDIS_URL or start with `keybatch up`")
         return url
 
     @property
     def state_url(self) -> str:
-        url = self.redis_url or self.broker_url
+        url = self.redis_url or self.broker_url or next(iter(self.cells), None)
         if url is None:
             raise RuntimeError("no state server: set KEYBATCH_REDIS_URL or start with `keybatch up`")
         return url
+
+    @property
+    def cell_urls(self) -> list[str]:
+        """The broker of each cell, in order: CELLS, else the one state server (a replica
+        has one: its own cell's, REDIS_URL)."""
+        return self.cells or [self.state_url]
 
     @property
     def max_body_bytes(self) -> int:

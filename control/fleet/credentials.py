@@ -108,8 +108,23 @@ def credentials_path(secrets_dir: Path, port: int) -> Path:
     return secrets_dir.expanduser() / f"broker-{port}.json"
 
 
-def write_operator_url(path: Path, url: str) -> None:
-    write_private(path, json.dumps({"redis_url": url}) + "\n")
+def write_operator_url(path: Path, urls: str | list[str]) -> None:
+    """The operator's URL of each cell (the first also as `redis_url`, what one cell needs)."""
+    cells = [urls] if isinstance(urls, str) else urls
+    write_private(path, json.dumps({"redis_url": cells[0], "cells": cells}) + "\n")
+
+
+def read_operator_cells(path: Path) -> list[str]:
+    """The operator's URL of each cell that `keybatch up` left at `path` (empty: none)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    cells = data.get("cells") if isinstance(data, dict) else None
+    if isinstance(cells, list) and cells and all(isinstance(url, str) for url in cells):
+        return cells
+    url = read_operator_url(path)
+    return [url] if url else []
 
 
 def read_operator_url(path: Path) -> str | None:

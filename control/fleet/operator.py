@@ -61,6 +61,7 @@ def replica_json(r: ReplicaInfo) -> dict[str, Any]:
         "id": r.name,
         "host": r.host,
         "pid": r.pid,
+        "cell": r.cell,
         "model": r.model,
         "state": r.state_label,
         "ready": r.is_ready,
@@ -98,28 +99,42 @@ class ActionResult:
 
 
 class Operator:
+    """The operator's actions on every cell of a deployment (a replica is acted on through
+    its own cell's broker)."""
+
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
-        self.redis = client or connect.client(settings.state_url, socket_timeout=2, socket_connect_timeout=2)
-        self._celery: Any = None
+        self.clients = (
+            [client]
+            if client is not None
+            else [connect.client(url, socket_timeout=2, socket_connect_timeout=2) for url in settings.cell_urls]
+        )
+        self.redis = self.clients[0]
+        self._celery: dict[int, Any] = {}
+
+    def read_fleet(self) -> list[ReplicaInfo]:
+        return [rep for cell, client in enumerate(self.clients) for rep in read_fleet(client, cell)]
 
     # -- reading --------------------------------------------------------------------
 
     def snapshot(self, window_s: int = 10) -> FleetSnapshot:
-        replicas = read_fleet(self.redis)
+        replicas = self.read_fleet()
         models = sorted(set(self.settings.models) | {r.model for r in replicas})
-        return FleetSnapshot(replicas, read_traffic(self.redis, models, window_s))
+        return FleetSnapshot(replicas, read_traffic(self.clients, models, window_s))
 
     def live(self) -> dict[str, dict[str, Any]]:
         """What each replica answers itself over remote control within 1 s: the fields of
         its registry hash, as of now rather than its last heartbeat (a replica missing here
         is not listening)."""
-        replies = self._app().control.broadcast("kb_replica", reply=True, timeout=REPLY_TIMEOUT_S)
-        return {name: answer for reply in replies or [] for name, answer in reply.items()}
+        live: dict[str, dict[str, Any]] = {}
+        for cell in range(len(self.clients)):
+            replies = self._app(cell).control.broadcast("kb_replica", reply=True, timeout=REPLY_TIMEOUT_S)
+            live.update({name: answer for reply in replies or [] for name, answer in reply.items()})
+        return live
 
     def resolve(self, name: str, replicas: list[ReplicaInfo] | None = None) -> ReplicaInfo:
         """A replica by its full name, or by the part before '@' when that is unique."""
-        replicas = replicas if replicas is not None else read_fleet(self.redis)
+        replicas = replicas if replicas is not None else self.read_fleet()
         exact = [r for r in replicas if r.name == name]
         found = exact or [r for r in replicas if r.name.split("@")[0] == name]
         if len(found) == 1:
@@ -164,7 +179,7 @@ class Operator:
         from kombu.exceptions import OperationalError
 
         try:
-            replies = self._app().control.broadcast(
+            replies = self._app(replica.cell).control.broadcast(
                 command,
                 arguments=arguments,
                 destination=[replica.name],
@@ -204,12 +219,14 @@ class Operator:
             time.sleep(0.05)
         return result
 
-    def _app(self) -> Any:
-        if self._celery is None:
+    def _app(self, cell: int = 0) -> Any:
+        """The Celery app on a cell's broker (remote control reaches that cell's replicas)."""
+        if cell not in self._celery:
             from tasks.celery.app import make_celery
 
-            self._celery = make_celery(self.settings)
-        return self._celery
+            url = self.settings.cell_urls[cell] if len(self.clients) > 1 else self.settings.broker
+            self._celery[cell] = make_celery(self.settings.model_copy(update={"broker_url": url, "cells": []}))
+        return self._celery[cell]
 
     # -- rebalancing --------------------------------------------------------------------
 

@@ -64,6 +64,15 @@ class Plan:
     models: list[str] = field(default_factory=list)
     port: int = 8000
     quiet: bool = False
+    cells: int | None = None  # embedded brokers; None: one, or as many as CELLS names
+
+    def num_cells(self, settings: Settings) -> int:
+        return self.cells or len(settings.cells) or 1
+
+    def replica_cell(self, index: int, num_cells: int) -> int:
+        """Each round of the models (one replica of each) to the next cell: every cell
+        serves every model while there are replicas enough."""
+        return (index // max(1, len(self.models))) % num_cells
 
     def num_workers(self) -> int:
         return self.workers if self.workers is not None else REPLICAS_PER_MODEL * len(self.models)
@@ -83,6 +92,14 @@ def check_plan(settings: Settings, plan: Plan) -> None:
     unknown = [m for m in plan.models if m not in settings.models]
     if unknown:
         raise PlanError(f"unknown model(s) {', '.join(unknown)}; configured: {', '.join(settings.models)}")
+    if plan.cells is not None and plan.cells < 1:
+        raise PlanError("--cells must be at least 1")
+    if plan.cells is not None and settings.cells and plan.cells != len(settings.cells):
+        raise PlanError(f"--cells {plan.cells} but KEYBATCH_CELLS names {len(settings.cells)} brokers")
+    if (plan.cells or 1) > 1 and settings.redis_url and not settings.cells:
+        raise PlanError("--cells with KEYBATCH_REDIS_URL: name every cell's broker in KEYBATCH_CELLS instead")
+    if plan.num_workers() < plan.num_cells(settings):
+        raise PlanError(f"--workers {plan.num_workers()} leaves a cell without a replica")
     bare = plan.models_without_replica()
     if bare:
         raise PlanError(
@@ -110,7 +127,8 @@ Kind = Literal["replica", "gateway", "broker"]
 
 @dataclass
 class Child:
-    """One supervised place: a replica (its index in `System.workers`), the gateway or the broker."""
+    """One supervised place: a replica (its index in `System.workers`), the gateway or a
+    cell's broker (its index in `System.brokers`)."""
 
     kind: Kind
     name: str
@@ -132,30 +150,48 @@ class System:
         self.settings = settings
         self.plan = plan
         check_plan(settings, plan)
-        self.broker: EmbeddedBroker | None = None
+        self.brokers: list[EmbeddedBroker] = []  # embedded, one per cell
         self.workers: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
         self.children: list[Child] = []
-        # The operator's URL (the supervisor's own calls, tests, tools); the children get
-        # their role's (`child_url`).
-        self.redis_url = settings.redis_url
+        # The operator's URL of each cell (the supervisor's own calls, tests, tools); the
+        # children get their role's (`child_url`).
+        self.cell_urls: list[str] = list(settings.cells) or ([settings.redis_url] if settings.redis_url else [])
+        self.num_cells = plan.num_cells(settings)
         self.credentials_file: Path | None = None  # where the operator's URL is left for the tools
         self.url = f"http://{settings.host}:{plan.port}"
         # Children log to stderr; stdout carries only `keybatch ready: URL`.
         self.out = subprocess.DEVNULL if plan.quiet else sys.stderr
 
-    def child_url(self, role: Role) -> str:
-        """The broker URL a child of `role` gets: an embedded broker's user for that role
-        (a data-path child cannot act as the operator), else the configured URL."""
-        if self.broker is not None:
-            return self.broker.url_for(role)
-        assert self.redis_url is not None
-        return self.redis_url
+    @property
+    def redis_url(self) -> str | None:
+        """The first cell's operator URL."""
+        return self.cell_urls[0] if self.cell_urls else None
 
-    def env(self, role: Role) -> dict[str, str]:
+    @property
+    def broker(self) -> EmbeddedBroker | None:
+        """The first cell's embedded broker."""
+        return self.brokers[0] if self.brokers else None
+
+    def child_url(self, role: Role, cell: int = 0) -> str:
+        """The broker URL a child of `role` gets for a cell: an embedded broker's user for
+        that role (a data-path child cannot act as the operator), else the configured URL."""
+        if self.brokers:
+            return self.brokers[cell].url_for(role)
+        return self.cell_urls[cell]
+
+    def env(self, role: Role, cell: int = 0) -> dict[str, str]:
         # In the environment (readable by this user alone), never on a command line (ps).
         env = dict(os.environ)
-        env["KEYBATCH_REDIS_URL"] = self.child_url(role)
+        env["KEYBATCH_REDIS_URL"] = self.child_url(role, cell)
+        if self.num_cells > 1:
+            env.pop("KEYBATCH_BROKER_URL", None)  # each child's broker is its cell's
+        if self.num_cells > 1:
+            # A gateway serves every cell; a replica serves its REDIS_URL's and answers
+            # through the others when its own broker does not take its answers.
+            env["KEYBATCH_CELLS"] = json.dumps([self.child_url(role, i) for i in range(self.num_cells)])
+        else:
+            env.pop("KEYBATCH_CELLS", None)
         env["KEYBATCH_PORT"] = str(self.plan.port)
         served = {m: self.settings.models[m] for m in self.plan.models}
         env["KEYBATCH_MODELS"] = json.dumps(served)
@@ -164,14 +200,17 @@ class System:
         return env
 
     def start(self, timeout_s: float = 60.0) -> None:
-        if self.redis_url is None:
-            self.broker = EmbeddedBroker(
-                out=self.out,
-                maxmemory_mb=self.settings.broker_maxmemory_mb,
-                operator_password=self.settings.admin_token,
-            )
-            self.redis_url = self.broker.start()
-            self.children.append(Child("broker", "embedded Valkey", started_at=time.monotonic()))
+        if not self.cell_urls:
+            for i in range(self.num_cells):
+                broker = EmbeddedBroker(
+                    out=self.out,
+                    maxmemory_mb=self.settings.broker_maxmemory_mb,
+                    operator_password=self.settings.admin_token,
+                )
+                self.brokers.append(broker)
+                self.cell_urls.append(broker.start())
+                name = "embedded Valkey" if self.num_cells == 1 else f"embedded Valkey of cell {i}"
+                self.children.append(Child("broker", name, index=i, started_at=time.monotonic()))
             self._leave_credentials()
         host = socket.gethostname()
         # Replicas of two regions on one host (tests, demos) must not share names.
@@ -195,11 +234,11 @@ class System:
     def _spawn(self, child: Child) -> None:
         """Start the child's process and put it in its place (replaces a dead one)."""
         if child.kind == "broker":
-            assert self.broker is not None
-            self.broker.start()
+            self.brokers[child.index].start()
         elif child.kind == "replica":
             restarted = child.index < len(self.workers)
-            proc = _spawn(self._replica_cmd(child), self.env("replica"), self.out, RESTART_NICE if restarted else 0)
+            env = self.env("replica", self.plan.replica_cell(child.index, self.num_cells))
+            proc = _spawn(self._replica_cmd(child), env, self.out, RESTART_NICE if restarted else 0)
             child.renice_at = time.monotonic() + RENICE_AFTER_S if restarted else None
             if child.index < len(self.workers):
                 self.workers[child.index] = proc
@@ -213,7 +252,7 @@ class System:
 
     def _proc(self, child: Child) -> subprocess.Popen[bytes] | None:
         if child.kind == "broker":
-            return self.broker.process if self.broker is not None else None
+            return self.brokers[child.index].process if self.brokers else None
         if child.kind == "replica":
             return self.workers[child.index]
         return self.gateway
@@ -245,9 +284,9 @@ class System:
         t2 = time.monotonic()
         if not self.plan.quiet:
             print(f"keybatch: gateway stopped in {t1 - t0:.1f} s, replicas in {t2 - t1:.1f} s", file=sys.stderr)
-        if self.broker is not None:
-            self.broker.stop()
-            self.broker = None
+        for broker in self.brokers:
+            broker.stop()
+        self.brokers = []
         if self.credentials_file is not None:
             self.credentials_file.unlink(missing_ok=True)
             self.credentials_file = None
@@ -256,12 +295,12 @@ class System:
     def _leave_credentials(self) -> None:
         """The operator's URL in a file only this user can read, for `keybatch fleet`,
         `drain`, `dash`, `flower` (they look for it by the gateway's port)."""
-        assert self.broker is not None
         path = credentials_path(self.settings.secrets_dir, self.plan.port)
-        write_operator_url(path, self.broker.url)
+        write_operator_url(path, self.cell_urls)
         self.credentials_file = path
         if not self.plan.quiet:
-            _log(f"embedded Valkey on {self.broker.address}; the operator's credentials are in {path}")
+            where = ", ".join(broker.address for broker in self.brokers)
+            _log(f"embedded Valkey on {where}; the operator's credentials are in {path}")
 
     def wait(self) -> int:
         """Serve in the foreground, restarting what dies, until Ctrl-C or SIGTERM; then stop everything."""
@@ -308,7 +347,7 @@ class System:
         if child.kind != "broker" and pid:
             _end_group(pid)
         if child.kind == "replica":
-            self._replica_died(child.name)
+            self._replica_died(child.name, self.plan.replica_cell(child.index, self.num_cells))
         child.restart_at = time.monotonic() + delay
         _log(f"{child.label}: restarting in {delay:.1f} s")
 
@@ -323,15 +362,14 @@ class System:
         proc = self._proc(child)
         _log(f"{child.label} restarted (pid {proc.pid if proc else 0})")
 
-    def _replica_died(self, name: str) -> None:
+    def _replica_died(self, name: str, cell: int = 0) -> None:
         """Release the dead replica's lease, so what it held is served by the others."""
         # Whatever this raises is logged: the supervisor keeps supervising.
         from control.broker.leases import release_replica
         from control.core import connect
 
-        assert self.redis_url is not None
         client = connect.client(
-            self.redis_url, socket_timeout=RELEASE_TIMEOUT_S, socket_connect_timeout=RELEASE_TIMEOUT_S
+            self.cell_urls[cell], socket_timeout=RELEASE_TIMEOUT_S, socket_connect_timeout=RELEASE_TIMEOUT_S
         )
         try:
             released = release_replica(client, name, self.settings.batch_ms + self.settings.deadline_margin_ms)

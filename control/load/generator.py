@@ -177,6 +177,7 @@ def _add_completion(rec: Record, completion: dict[str, Any]) -> None:
     if kb is not None:
         rec.queue_ms, rec.batch_ms, rec.batch_size = kb["queue_ms"], kb["batch_ms"], kb["batch_size"]
         rec.server_ms = kb["total_ms"]
+        rec.cell = kb.get("cell", -1)
 
 
 def _error_code(body: bytes) -> str:

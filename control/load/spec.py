@@ -30,6 +30,7 @@ class Record:
     model: str = ""
     session: str = ""  # the X-Session-Id sent (typing), else ""
     code: str = ""  # the error's code of an answer other than 200 (409: "superseded", "cancelled"...)
+    cell: int = -1  # the cell that carried a 200 (-1: not said)
 
     @property
     def is_superseded(self) -> bool:

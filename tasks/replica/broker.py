@@ -319,3 +319,36 @@ class ReplicaBroker:
 def _fallback(item: Reply, job: p.Job) -> str:
     """Only a drop notice goes to the admitting gateway when its request has no owner."""
     return job.gateway if item.kind == "dropped" else ""
+
+
+# Answers a replica could not hand to its own cell's broker, sent through another cell.
+#
+# Every gateway process reads a reply list in each cell's broker (api/gateway.py), so an
+# answer pushed onto its list in any cell reaches it. A replica whose broker died or stalled
+# while a batch ran sends the batch's answers that way. The gateway has meanwhile sent those
+# requests to another cell as well: whichever answer comes first is the one its client gets,
+# and the other is dropped.
+class FallbackReplies:
+    """The other cells' brokers, tried in turn."""
+
+    def __init__(self, clients: list[redis.Redis]) -> None:
+        self.clients = clients
+
+    def send(self, items: Sequence[Reply], jobs: list[p.Job]) -> bool:
+        """Push each answer to the gateway that admitted its request, through the first
+        other cell that takes them all. True if one did."""
+        by_gateway: dict[str, list[str]] = {}
+        for item, job in zip(items, jobs, strict=True):
+            by_gateway.setdefault(job.gateway, []).append(item.model_dump_json())
+        for client in self.clients:
+            pipe = client.pipeline(transaction=False)
+            for gateway, answers in by_gateway.items():
+                key = keys.reply_key(gateway)
+                pipe.rpush(key, '{"items":[' + ",".join(answers) + "]}")
+                pipe.expire(key, p.REPLY_TTL_S)
+            try:
+                pipe.execute()
+                return True
+            except redis.RedisError as exc:
+                log.warning("another cell did not take the answers either: %s", exc)
+        return False

@@ -20,7 +20,7 @@ from control.core.lifecycle import ReplicaState, transition
 from tasks.engine.contract import Engine
 from tasks.policy.collector import Collector, Pending
 from tasks.policy.pullgate import PullGate
-from tasks.replica.broker import BrokerError, Client, Fields, ReplicaBroker
+from tasks.replica.broker import BrokerError, Client, FallbackReplies, Fields, ReplicaBroker
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.events import EventSink, NoEvents
 from tasks.replica.lease import LeaseClock, monotonic_ms
@@ -42,6 +42,7 @@ class ReplicaCore:
         events: EventSink | None = None,
         wake: Callable[[], object] | None = None,
         envelope: Callable[[p.Job], str] | None = None,
+        fallback: FallbackReplies | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -52,6 +53,7 @@ class ReplicaCore:
         self.events = events or NoEvents()
         self.wake = wake or (lambda: None)
         self.broker = ReplicaBroker(client, config.name, envelope or (lambda job: job.model_dump_json()))
+        self.fallback = fallback  # the other cells, where the replica's own broker does not take its answers
         self.gate = PullGate(config.collector.max_batch, config.pull_lead_ms)
         self.stats = Stats()
         self.perf = BatchTimes()

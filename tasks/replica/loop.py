@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from control.core import protocol as p
 from tasks.engine.contract import StepOutput
 from tasks.policy.collector import Pending
+from tasks.replica.broker import BrokerError
 from tasks.replica.intake import Intake, held
 from tasks.replica.lease import monotonic_ms
 from tasks.replica.operations import Operations
@@ -182,7 +183,14 @@ class Loop:
         for job in jobs:
             r.streams.forget(job.id)
         idle_until = r.idle_until_ms() if ends_batch else None
-        wasted, launches = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until)
+        try:
+            wasted, launches = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until)
+        except BrokerError:
+            if r.fallback is None or not r.fallback.send(items, jobs):
+                raise
+            log.warning("the broker did not take %d answers: sent through another cell", len(items))
+            r.stats.ran(len(jobs), batch_size)
+            return
         r.stats.waste(wasted, sum((end - start) / batch_size for _pd, _out, start in finished) / len(finished))
         r.stats.ran(len(jobs), batch_size)
         if launches is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from control.core import protocol as p
 from tasks.engine.contract import RequestStatus, StepOutput, run_batch
 from tasks.policy.collector import Pending
+from tasks.replica.broker import BrokerError
 from tasks.replica.device import Device, StepDevice, Stepped
 from tasks.replica.intake import held
 from tasks.replica.lease import monotonic_ms
@@ -272,7 +273,13 @@ class BatchRun:
         self.jobs = {pending.id: held(pending).job for pending in batch}
 
     def cancelled(self) -> set[str]:
-        return set(self.replica.cancelled(self.jobs))
+        """The batch's requests cancelled so far; a broker that does not answer cancels
+        nothing (its failure is not the engine's: the batch runs on, its answers go
+        through another cell where there is one)."""
+        try:
+            return set(self.replica.cancelled(self.jobs))
+        except BrokerError:
+            return set()
 
     def emit(self, request_id: str, text: str) -> None:
         self.replica.streams.add(self.jobs[request_id], text)

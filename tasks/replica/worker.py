@@ -32,6 +32,7 @@ from control.core.settings import Settings
 from tasks.celery import celery_internals, kombu_internals
 from tasks.engine.contract import Engine
 from tasks.policy.collector import CollectorConfig, Pending
+from tasks.replica.broker import FallbackReplies
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.intake import held
 from tasks.replica.replica import Replica
@@ -151,7 +152,12 @@ class ReplicaStep(bootsteps.StartStopStep):
             from control.broker.envelope import TaskMessages
             from control.core import connect
 
-            client = connect.client(s.state_url, socket_timeout=2, socket_connect_timeout=2)
+            fallback = _other_cells(s)
+            # With other cells to answer through, a call the broker does not answer ends
+            # within the request path's bound, not 2 s: a stalled broker must not hold the
+            # loop (and the batch it has finished) past the requests' budgets.
+            bound_s = 2 * s.broker_timeout_ms / 1000.0 if fallback is not None else 2.0
+            client = connect.client(s.state_url, socket_timeout=bound_s, socket_connect_timeout=bound_s)
             self.replica = Replica(
                 replica_config(s, c.hostname, spec.model, spec.engine),
                 spec.engine,
@@ -160,6 +166,7 @@ class ReplicaStep(bootsteps.StartStopStep):
                 events=CeleryEvents(c),
                 wake=lambda: c.call_soon(_noop),
                 envelope=TaskMessages(c.app),
+                fallback=fallback,
             )
             if s.collector == "chord":
                 from tasks.replica import chord
@@ -267,6 +274,19 @@ def _switch_queue(c: Any, old: str, new: str, timeout_s: float = 10.0) -> None:
         raise TimeoutError(f"the consumer did not switch from {old} to {new} within {timeout_s:.0f} s")
     if done[0] is not None:
         raise done[0]
+
+
+def _other_cells(s: Settings) -> FallbackReplies | None:
+    """The other cells to answer through, where CELLS names them (its own REDIS_URL among them)."""
+    others = [url for url in s.cells if url != s.state_url]
+    if not others or len(others) == len(s.cells):
+        return None
+    from control.core import connect
+
+    bound_s = 2 * s.broker_timeout_ms / 1000.0
+    return FallbackReplies(
+        [connect.client(url, socket_timeout=bound_s, socket_connect_timeout=bound_s) for url in others]
+    )
 
 
 def _noop() -> None:

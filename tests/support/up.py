@@ -15,14 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import redis
 import requests
 
+from control.bench.harness import serves_port
 from control.core.procs import free_port
 from control.core.settings import Settings
-from control.fleet.credentials import credentials_path, read_operator_url
+from control.fleet.credentials import credentials_path, read_operator_cells, read_operator_url
 from tests.support.deploy import FREE_KEY, MODEL, PAID_KEY
 
 
@@ -58,6 +60,15 @@ class Up:
 
     def broker(self) -> psutil.Process:
         return next(c for c in self.children() if "valkey" in c.name())
+
+    def cell_urls(self) -> list[str]:
+        """The operator's URL of each cell, as `up` left them for the tools."""
+        return read_operator_cells(credentials_path(Settings().secrets_dir, self.port))
+
+    def cell_broker(self, cell: int) -> psutil.Process:
+        """The valkey-server child serving a cell (found by its port)."""
+        port = urlsplit(self.cell_urls()[cell]).port
+        return next(c for c in self.children() if "valkey" in c.name() and port and serves_port(c, port))
 
     def redis(self) -> redis.Redis:
         """The operator's client, by the URL `up` left for the operator's tools."""
