@@ -52,6 +52,8 @@ class Inputs:
     scope: str = "region"  # the final run: one surviving region, or the whole fleet losing a region
     cell: int = 128  # a queue with more replicas is simulated as this many at their per-replica rate
     processes: int = 0  # the final run's groups run in this many processes (0: one per core)
+    broker_core_rps: float = 12_500.0  # requests a second one broker core carries (`keybatch bench broker`)
+    broker_utilization: float = 0.5  # the share of a broker's core to plan on
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
@@ -77,6 +79,8 @@ class Inputs:
             raise ValueError("cell, sim-seconds and search-seconds must be positive")
         if self.processes < 0:
             raise ValueError("processes must be 0 (one per core) or more")
+        if self.broker_core_rps <= 0 or not 0 < self.broker_utilization <= 1:
+            raise ValueError("broker-core-rps must be positive and broker-utilization in (0, 1]")
 
     @property
     def shares(self) -> dict[str, float]:
@@ -154,6 +158,28 @@ def arithmetic(inputs: Inputs) -> dict[str, Any]:
         "utilization_normal": round(inputs.rps / inputs.regions / (per_region_survive * full), 3),
         "utilization_one_lost": round(inputs.rps / inputs.surviving / (per_region_survive * full), 3),
         "per_model": per_model,
+        "broker_cells": broker_cells(inputs, per_region_survive),
+    }
+
+
+def broker_cells(inputs: Inputs, replicas_per_region: int) -> dict[str, Any]:
+    """Broker cells a region needs (each a broker primary and its own replicas): enough
+    that with one region lost and then one of its cells lost too, each remaining cell
+    carries at most its planned share of a core. A cell lost moves its routes evenly to
+    the others (control/policy/cells.py)."""
+    cell_rps = inputs.broker_core_rps * inputs.broker_utilization
+    normal = inputs.rps / inputs.regions
+    survive = inputs.rps / inputs.surviving
+    needed = max(1, math.ceil(survive / cell_rps - 1e-9))
+    cells = needed + 1 if needed > 1 else 2  # one more: a cell may be lost too
+    return {
+        "cell_rps_planned": round(cell_rps, 1),
+        "cells_per_region": cells,
+        "replicas_per_cell": math.ceil(replicas_per_region / cells),
+        "cell_rps_normal": round(normal / cells, 1),
+        "cell_rps_one_region_lost": round(survive / cells, 1),
+        "cell_rps_one_region_and_one_cell_lost": round(survive / (cells - 1), 1),
+        "core_share_one_region_and_one_cell_lost": round(survive / (cells - 1) / inputs.broker_core_rps, 3),
     }
 
 

@@ -43,6 +43,13 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-seconds", type=float, default=20.0, help="simulated time of each search run")
     parser.add_argument("--max-queue-free", type=int, default=10**9, help="admission's cap (live: MAX_QUEUE_FREE)")
     parser.add_argument("--max-queue-paid", type=int, default=10**9, help="admission's cap (live: MAX_QUEUE_PAID)")
+    parser.add_argument(
+        "--broker-core-rps",
+        type=float,
+        default=12_500.0,
+        help="requests a second one broker core carries (`keybatch bench broker`, replayed one by one)",
+    )
+    parser.add_argument("--broker-utilization", type=float, default=0.5, help="the share of a broker core to plan on")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
@@ -72,6 +79,8 @@ def run_capacity(args: argparse.Namespace) -> int:
             scope=args.scope,
             cell=args.cell,
             processes=args.processes,
+            broker_core_rps=args.broker_core_rps,
+            broker_utilization=args.broker_utilization,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)
@@ -107,6 +116,17 @@ def _print(out: dict[str, Any]) -> None:
     table.add_row(f"per region, {i['regions']} regions, normal", str(a["per_region_normal"]))
     table.add_row("per region, one region lost (survivors carry all)", str(a["per_region_one_lost"]))
     table.add_row("fleet by arithmetic", str(a["replicas_arithmetic"]))
+    b = a["broker_cells"]
+    table.add_row(
+        f"broker cells per region ({b['cell_rps_planned']:,.0f} req/s each planned)",
+        f"{b['cells_per_region']} of ~{b['replicas_per_cell']} replicas",
+    )
+    table.add_row(
+        "req/s a cell: normal / region lost / and a cell lost",
+        f"{b['cell_rps_normal']:,.0f} / {b['cell_rps_one_region_lost']:,.0f} / "
+        f"{b['cell_rps_one_region_and_one_cell_lost']:,.0f} "
+        f"({b['core_share_one_region_and_one_cell_lost']:.0%} of a core)",
+    )
     console.print(table)
     sim = out["simulated"]
     table = Table(title=f"Simulated: {sim['scope']}, {sim['seconds']:.0f} s")
