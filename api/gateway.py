@@ -96,6 +96,7 @@ RESCUE_AFTER_S = 0.1  # after a death, so a live replica's pops of the moment ar
 RESCUE_CHUNK = 1000  # requests per RESCUE call (each call may read the queue once)
 NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
 MOVE_AFTER_S = 0.1  # a cell silent this long after a failed call: its waiting requests go to another
+SWEEP_LOCK_MS = 90  # one gateway process sweeps a cell in each span this long (each asks every 100 ms)
 _NEXT_CELL = ("broker_unavailable", "no_replica")  # refusals after which a request tries the next cell
 
 
@@ -216,7 +217,7 @@ class Gateway:
         if capacity.num_replicas == 0 and cell.fleet.age_s() > NO_REPLICA_RECHECK_S:
             # The view is refreshed every 250 ms: a replica that registered since (a fleet
             # starting, a replica back from a restart) must not be refused 503 meanwhile.
-            cell.fleet.refresh()
+            cell.fleet.refresh(direct=True)
             capacity = cell.fleet.capacity(model)
         return capacity
 
@@ -481,7 +482,7 @@ class Gateway:
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired, deaths = cell.sweep(min_ms)
+                swept, requeued, expired, deaths = cell.sweep(min_ms, SWEEP_LOCK_MS)
                 if swept:
                     log.warning(
                         "cell %d: swept %d lapsed replicas: %d requests re-queued, %d expired",
@@ -499,7 +500,7 @@ class Gateway:
                     cast("BrokerClock", self.clock).sync()
                     last_sync = time.monotonic()
                 if cell.health.silent_s:  # back after an outage: its registry may have changed (a
-                    cell.fleet.refresh()  # restarted broker holds none until its replicas beat again)
+                    cell.fleet.refresh(direct=True)  # restarted broker holds none until its replicas beat again)
                 cell.health.ok()
                 failed_waiting = False
             except redis.RedisError as exc:

@@ -41,7 +41,7 @@ def readyz() -> Response:
     gw = gateway()
     if not gw.ping():
         raise ApiError(503, "the broker is unreachable", "broker_unavailable", retry_after_s=1)
-    gw.fleet.refresh()
+    gw.fleet.refresh(direct=True)
     counts = gw.readiness()
     missing = sorted(m for m, n in counts.items() if n == 0)
     detail = shows_deployment(gw.settings)

@@ -36,6 +36,8 @@ REPLICAS_KEY = key("replicas")  # names of the replicas that published a registr
 HOLDERS_KEY = key("holders")  # replicas that may hold requests (control/broker/scripts.py)
 WASTED_KEY = key("stats", "wasted")  # results that found their request answered or gone
 DEATHS_KEY = key("deaths")  # how many replicas were ever swept: gateways then run RESCUE
+SWEEPING_KEY = key("sweeping")  # held by the gateway process that sweeps now (one a cell at a time)
+FLEET_KEY = key("fleet")  # the registry as the last sweep read it, for every gateway in one GET
 
 
 def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
@@ -177,6 +179,9 @@ LUA_KEYS: dict[str, str] = {
     "bucket": key("bucket", ""),  # + tier ':' tenant: `bucket_key`
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,
+    "replicas": REPLICAS_KEY,
+    "sweeping": SWEEPING_KEY,
+    "fleet": FLEET_KEY,
     "wasted": WASTED_KEY,
     "behind": BEHIND_SUFFIX,
     "tenant": TENANT_PART,

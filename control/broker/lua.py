@@ -290,17 +290,38 @@ end
 # ARGV: replica, min ms a request needs to still finish.
 SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
 
-# ARGV: min ms. Sweeps every holder whose lease lapsed; returns {holders, requeued, expired,
-# deaths}: the last, how many replicas were ever swept, tells a gateway to run RESCUE.
+# ARGV: min ms, lock ms. Sweeps every holder whose lease lapsed; returns {holders, requeued,
+# expired, deaths}: the last, how many replicas were ever swept, tells a gateway to run RESCUE.
+# With a lock (lock ms > 0) only the first call in each lock's span sweeps, whichever of the
+# gateway processes makes it, and it also leaves the registry as one value (FLEET: the
+# broker's time in ms, then per replica its name, its entry's fields and values, and 1 if
+# its lease is alive) for every gateway to read in one GET; an entry that expired leaves the
+# set of names. So the sweep and the registry cost a cell the same whatever the number of
+# gateway processes.
 SWEEP_DEAD_LUA = (
     LUA_LIB
     + _SWEEP_FN
     + """
 local swept, requeued, expired = 0, 0, 0
-for _, holder in ipairs(redis.call('SMEMBERS', K.holders)) do
-  local r = sweep(holder, tonumber(ARGV[1]))
-  if r[1] >= 0 then
-    swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
+local lock_ms = tonumber(ARGV[2] or '0')
+if lock_ms <= 0 or redis.call('SET', K.sweeping, '1', 'NX', 'PX', lock_ms) then
+  for _, holder in ipairs(redis.call('SMEMBERS', K.holders)) do
+    local r = sweep(holder, tonumber(ARGV[1]))
+    if r[1] >= 0 then
+      swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
+    end
+  end
+  if lock_ms > 0 then
+    local fleet = {now_ms()}
+    for _, name in ipairs(redis.call('SMEMBERS', K.replicas)) do
+      local entry = redis.call('HGETALL', K.replica .. name)
+      if #entry == 0 then
+        redis.call('SREM', K.replicas, name)
+      else
+        fleet[#fleet + 1] = {name, entry, redis.call('EXISTS', K.lease .. name)}
+      end
+    end
+    redis.call('SET', K.fleet, cjson.encode(fleet), 'PX', 10 * lock_ms)
   end
 end
 return {swept, requeued, expired, tonumber(redis.call('GET', K.deaths) or '0')}

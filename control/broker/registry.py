@@ -9,6 +9,7 @@ heartbeat but loses its lease.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -50,6 +51,18 @@ def read_fleet(client: redis.Redis, cell: int = 0) -> list[ReplicaInfo]:
     return fleet
 
 
+def parse_fleet_digest(raw: bytes | str, cell: int = 0) -> list[ReplicaInfo]:
+    """The registry as the last locked sweep left it (`keys.FLEET_KEY`, control/broker/lua.py)."""
+    now_ms, *entries = json.loads(raw)
+    fleet = []
+    for name, flat, lease in entries:
+        fields = dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else {}
+        h = {k.encode(): str(v).encode() for k, v in fields.items()}
+        info = parse_replica_entry(name, h, bool(lease), float(now_ms))
+        fleet.append(replace(info, cell=cell) if cell else info)
+    return sorted(fleet, key=lambda rep: rep.name)
+
+
 def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
     """What the model's ready replicas serve: their engines' batch and their measured cycles."""
     ready = [r for r in fleet if r.model == model and r.is_ready]
@@ -87,11 +100,17 @@ class FleetView:
     def stop(self) -> None:
         self._stop.set()
 
-    def refresh(self) -> None:
+    def refresh(self, direct: bool = False) -> None:
+        """Read the registry: as the last sweep left it (one GET, whatever the fleet's
+        size), or `direct`ly, entry by entry (also where no sweep left one)."""
         try:
-            replicas = read_fleet(self.client, self.cell)
+            digest, wasted = self.client.mget([keys.FLEET_KEY, keys.WASTED_KEY])
+            if direct or digest is None:
+                replicas = read_fleet(self.client, self.cell)
+            else:
+                replicas = parse_fleet_digest(digest, self.cell)
             self.replicas, self._capacity = replicas, {}
-            self.num_wasted = int(self.client.get(keys.WASTED_KEY) or 0)
+            self.num_wasted = int(wasted or 0)
             self.is_reachable = True
             self.read_at = time.monotonic()
         except redis.RedisError:
@@ -128,6 +147,6 @@ class FleetViews:
     def num_wasted(self) -> int:
         return sum(view.num_wasted for view in self.views)
 
-    def refresh(self) -> None:
+    def refresh(self, direct: bool = False) -> None:
         for view in self.views:
-            view.refresh()
+            view.refresh(direct)

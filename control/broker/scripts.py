@@ -190,8 +190,10 @@ class SweepDead(_Registered):
 
     SOURCE = SWEEP_DEAD_LUA
 
-    def __call__(self, min_ms: float) -> SweepReport:
-        swept, requeued, expired, deaths = self._run([keys.HOLDERS_KEY], [min_ms])
+    def __call__(self, min_ms: float, lock_ms: float = 0.0) -> SweepReport:
+        """With `lock_ms`, a call within that long of another's sweeps nothing (and
+        reports 0 swept); the one that sweeps leaves the registry in `keys.FLEET_KEY`."""
+        swept, requeued, expired, deaths = self._run([keys.HOLDERS_KEY], [min_ms, int(lock_ms)])
         return SweepReport(int(swept), int(requeued), int(expired), int(deaths))
 
 

@@ -266,3 +266,39 @@ def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: re
     state.lpush(keys.queue_key(MODEL, "free"), messages(job(8, "free")))
     _reasons, taken, _launches = broker.take(MODEL, [], room=1, behind=1, fill=0)
     assert [j.id for j, _raw in taken] == [f"{4:032d}", f"{8:032d}"]
+
+
+def test_a_locked_sweep_runs_once_a_span_and_leaves_the_registry_in_one_value(state: redis.Redis) -> None:
+    from control.broker.registry import FleetView, parse_fleet_digest, read_fleet
+
+    entry = records.pack_replica_entry(
+        model=MODEL, state="serving", held=0, moving_to="", backend="fixed", max_batch=16, batch_ms=250.0,
+        join_ms=0.0, buffered=0, busy=False, host="h", pid=7, seen_ms=0.0, why_not_ready="", clock_offset_ms=0.0,
+        counters={"cycle_ms": 270.0}, engine={"steps": 3.0},
+    )  # fmt: skip
+    for name in ("r1", "r2"):
+        state.hset(keys.replica_key(name), mapping=entry)
+        state.sadd(keys.REPLICAS_KEY, name)
+    state.set(keys.lease_key("r1"), "1")
+    state.sadd(keys.REPLICAS_KEY, "gone")  # its entry expired: the sweep drops the name
+    _hold(state, "r2", "acme:r2", "a2", FAR_MS)  # r2 has no lease: what it held is re-queued
+    assert scripts.SweepDead(state)(265, lock_ms=10_000) == scripts.SweepReport(1, 1, 0, 1)
+    # Another gateway process within the lock's span sweeps nothing, though r1 lapsed now.
+    state.delete(keys.lease_key("r1"))
+    _hold(state, "r1", "acme:r1", "a1", FAR_MS)
+    assert scripts.SweepDead(state)(265, lock_ms=10_000) == scripts.SweepReport(0, 0, 0, 1)
+    assert state.smembers(keys.REPLICAS_KEY) == {b"r1", b"r2"}
+    digest = state.get(keys.FLEET_KEY)
+    assert digest is not None
+    as_swept = {rep.name: rep for rep in parse_fleet_digest(digest)}
+    assert as_swept["r1"].has_lease and not as_swept["r2"].has_lease  # r1's lease was alive then
+    assert as_swept["r1"].cycle_ms == 270.0 and as_swept["r1"].engine == {"steps": 3.0}
+    direct = {rep.name: rep for rep in read_fleet(state)}
+    assert {n: (r.model, r.max_batch, r.pid) for n, r in as_swept.items()} == {
+        n: (r.model, r.max_batch, r.pid) for n, r in direct.items()
+    }
+    view = FleetView(state)
+    view.refresh()
+    assert [rep.has_lease for rep in view.replicas] == [True, False]  # read as swept, not entry by entry
+    view.refresh(direct=True)
+    assert [rep.has_lease for rep in view.replicas] == [False, False]
