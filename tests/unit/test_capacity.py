@@ -25,6 +25,20 @@ def test_the_statements_arithmetic() -> None:
     assert a["replicas_arithmetic"] == 294
 
 
+def test_broker_cells_hold_a_region_lost_and_one_cell_lost_within_the_planned_core() -> None:
+    cells = arithmetic(Inputs(rps=40_000, regions=3))["broker_cells"]
+    # 12,500 req/s a core at half a core: 6,250 a cell; 20,000 a surviving region needs 4,
+    # and one more so that a cell lost too leaves 5,000 each (40% of a core).
+    assert cells["cells_per_region"] == 5
+    assert cells["cell_rps_one_region_lost"] == 4000.0
+    assert cells["cell_rps_one_region_and_one_cell_lost"] == 5000.0
+    assert cells["core_share_one_region_and_one_cell_lost"] == 0.4
+    slower = arithmetic(Inputs(rps=40_000, regions=3, broker_core_rps=4150))["broker_cells"]
+    assert slower["cells_per_region"] == 11
+    assert slower["core_share_one_region_and_one_cell_lost"] <= 0.5
+    assert arithmetic(Inputs(rps=100, regions=3))["broker_cells"]["cells_per_region"] == 2  # a spare even when small
+
+
 def test_search_finds_a_count_that_meets_the_slo_with_a_region_lost() -> None:
     inputs = Inputs(rps=2_000, regions=3, models={"m": 1.0}, sim_seconds=6, search_seconds=6)
     out = plan(inputs)
