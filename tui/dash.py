@@ -215,10 +215,11 @@ class Dashboard(App[None]):
         table = self.query_one("#replicas", DataTable)
         selected = self.selected()
         table.clear()
+        celled = any(r.cell for r in snap.replicas)  # with cells, each replica's is named
         for r in sorted(snap.replicas, key=lambda r: r.name):
             state = Text(r.state_label, style="green" if r.state_label == "serving" else "yellow")
             table.add_row(
-                r.name,
+                f"{r.name} c{r.cell}" if celled else r.name,
                 r.model,
                 state,
                 f"{r.batch_fill:.0%}",
