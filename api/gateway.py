@@ -168,7 +168,7 @@ class Gateway:
         refusal: ApiError | None = None
         for cell in live:
             try:
-                return self._submit_to(cell, job, request_id, session_key)
+                return self._submit_to(cell, job, request_id, session_key, is_last=cell is live[-1])
             except ApiError as err:
                 if err.code not in _NEXT_CELL or len(self.cells) == 1:
                     raise
@@ -176,7 +176,9 @@ class Gateway:
         assert refusal is not None
         raise refusal
 
-    def _submit_to(self, cell: Cell, job: p.Job, request_id: str, session_key: str | None) -> Waiter:
+    def _submit_to(
+        self, cell: Cell, job: p.Job, request_id: str, session_key: str | None, is_last: bool = True
+    ) -> Waiter:
         budget = job.deadline_ms - job.received_ms
         capacity = self._capacity(cell, job.model)
         verdict, position, retry_ms = admission.check(budget, capacity, self.limits), 0, 0.0
@@ -207,7 +209,8 @@ class Gateway:
         if verdict == Verdict.ADMIT and waiter is not None:
             self.metrics.inflight.inc()
             return waiter
-        self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
+        if verdict != Verdict.NO_REPLICA or is_last:  # a cell without one: the next may take it
+            self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position, retry_ms)
 
     def _capacity(self, cell: Cell, model: str) -> Capacity:
@@ -557,10 +560,16 @@ class Gateway:
     def _move(self, waiter: Waiter) -> bool:
         """Enqueue a waiting request again in another cell (its next in order that answers
         and serves its model, with room within what is left of its budget). It keeps its
-        attempt: whichever cell answers first answers it. Streamed text already sent keeps
-        a request where it is. True if it moved."""
+        attempt: whichever cell answers first answers it. True if it moved.
+
+        Only what this process enqueued under the request's own attempt moves: a request
+        that joined another's attempt is answered with it (that attempt's enqueuer moves
+        it), and one whose first enqueue is still under way is not in the cell yet. A
+        stream stays where it is: two runs of it would both send text."""
         job, here = waiter.job, waiter.cell
-        if len(self.cells) == 1 or waiter.has_text or waiter.item is not None:
+        if len(self.cells) == 1 or job.stream or waiter.item is not None:
+            return False
+        if not waiter.enqueued or waiter.attempt != job.id:
             return False
         now = self.clock.now_ms()
         budget = job.deadline_ms - now
@@ -572,6 +581,7 @@ class Gateway:
             if admission.check(budget, capacity, self.limits) != Verdict.ADMIT:
                 continue
             deepest = self._deepest(cell, job, budget, capacity, now)
+            waiter.behind = job.behind = False  # the new cell's admission decides, as at the first
             try:
                 verdict, _position, _retry = self._enqueue(cell, waiter, waiter.session, deepest, capacity)
             except ApiError:

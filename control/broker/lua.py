@@ -304,7 +304,13 @@ SWEEP_DEAD_LUA = (
     + """
 local swept, requeued, expired = 0, 0, 0
 local lock_ms = tonumber(ARGV[2] or '0')
-if lock_ms <= 0 or redis.call('SET', K.sweeping, '1', 'NX', 'PX', lock_ms) then
+local locked = lock_ms <= 0
+if not locked then
+  -- pcall: a broker at its memory limit refuses the write, and must still answer (full, not down)
+  local got = redis.pcall('SET', K.sweeping, '1', 'NX', 'PX', lock_ms)
+  locked = type(got) == 'table' and got.ok == 'OK'
+end
+if locked then
   for _, holder in ipairs(redis.call('SMEMBERS', K.holders)) do
     local r = sweep(holder, tonumber(ARGV[1]))
     if r[1] >= 0 then

@@ -98,8 +98,14 @@ def check_plan(settings: Settings, plan: Plan) -> None:
         raise PlanError(f"--cells {plan.cells} but KEYBATCH_CELLS names {len(settings.cells)} brokers")
     if (plan.cells or 1) > 1 and settings.redis_url and not settings.cells:
         raise PlanError("--cells with KEYBATCH_REDIS_URL: name every cell's broker in KEYBATCH_CELLS instead")
-    if plan.num_workers() < plan.num_cells(settings):
-        raise PlanError(f"--workers {plan.num_workers()} leaves a cell without a replica")
+    cells = plan.num_cells(settings)
+    served = {plan.replica_cell(i, cells) for i in range(plan.num_workers())}
+    if len(served) < cells:
+        bare_cells = ", ".join(str(c) for c in range(cells) if c not in served)
+        raise PlanError(
+            f"--workers {plan.num_workers()} leaves cell {bare_cells} without a replica: replicas go to the cells "
+            f"one round of the {len(plan.models or settings.models)} models at a time"
+        )
     bare = plan.models_without_replica()
     if bare:
         raise PlanError(

@@ -302,3 +302,16 @@ def test_a_locked_sweep_runs_once_a_span_and_leaves_the_registry_in_one_value(st
     assert [rep.has_lease for rep in view.replicas] == [True, False]  # read as swept, not entry by entry
     view.refresh(direct=True)
     assert [rep.has_lease for rep in view.replicas] == [False, False]
+
+
+def test_a_broker_at_its_memory_limit_still_answers_the_locked_sweep(state: redis.Redis) -> None:
+    # The lock is a write, which a full broker refuses: the sweep must still answer (the
+    # gateway's health probe), or a full broker would look like a dead one.
+    limit = state.config_get("maxmemory")["maxmemory"]
+    state.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            state.set("{kb}:probe", "1")
+        assert scripts.SweepDead(state)(265, lock_ms=90) == scripts.SweepReport(0, 0, 0, 0)
+    finally:
+        state.config_set("maxmemory", limit)

@@ -130,6 +130,19 @@ def test_fewer_workers_than_models_is_refused_at_once() -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_plan_that_leaves_a_cell_without_a_replica_is_refused() -> None:
+    from control.fleet.up import PlanError, check_plan
+
+    settings = Settings(models={"kb-small": "kb-small", "kb-large": "kb-large"})
+    plan = Plan(workers=4, models=["kb-small", "kb-large"], cells=2)
+    check_plan(settings, plan)  # a round of both models to each cell
+    assert [plan.replica_cell(i, 2) for i in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(PlanError, match="leaves cell 2 without a replica"):
+        check_plan(settings, Plan(workers=4, models=["kb-small", "kb-large"], cells=3))
+    with pytest.raises(PlanError, match="--cells must be at least 1"):
+        check_plan(settings, Plan(workers=4, cells=0))
+
+
 def test_the_default_is_two_replicas_per_model() -> None:
     plan = Plan(models=["kb-small", "kb-large"])
     assert plan.replica_models() == ["kb-small", "kb-large", "kb-small", "kb-large"]
