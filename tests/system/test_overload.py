@@ -27,7 +27,13 @@ def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:
     # What a failure needs to be read: the answers, and when the paid ones not answered 200 were sent.
     refused = sorted(round(r.sent_s, 2) for r in records if r.tier == PAID and r.status != 200)
     why = f"paid {paid['codes']}, p99 {paid['p99_ms']:.0f} ms; free {free['codes']}; paid not 200 sent at {refused}"
-    assert paid["ok_share"] >= 0.95, why
+    # From idle, both replicas start their first batches at once, nearly empty, and the
+    # first quarter second's arrivals wait for the next two: 1-4% of the paid requests,
+    # all sent in the first half second, are refused there (docs/decisions/0026). From
+    # the first second on, paid requests are answered.
+    steady = summarize([r for r in records if r.sent_s >= 1.0])["paid"]
+    assert steady["ok_share"] >= 0.98, why
+    assert paid["ok_share"] >= 0.93, why
     assert paid["p99_ms"] <= 600, why
     assert free["status_429"] > 0.25 * free["sent"]
     assert free["p99_429_ms"] < 200
