@@ -30,6 +30,12 @@ class SimConfig:
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
     region_loss_at_s: float | None = None  # region 0 is lost then
     resend_ms: float = 100.0  # a client's retry of a lost region's request reaches another region
+    # Broker cells of one region, played by the regions of the run: cell 0's broker is lost
+    # then. What waits in it, or its replicas took and did not start, moves to the other
+    # cells `cell_move_ms` later (the gateway's move); what they run is answered through
+    # another cell; new requests go to the others.
+    cell_loss_at_s: float | None = None
+    cell_move_ms: float = 100.0
     # A BRPOP sent before the gate shut takes one more message (kombu lets it finish); the
     # replica then "hand_back"s it to the front of the queue (the live default), or "keep"s
     # it for its next batch (KEYBATCH_HAND_BACK_PULLS=0); "none": a gate that also stops a

@@ -13,7 +13,7 @@ from control.sim.group import Group, SimReplica
 from control.sim.workload import Workload
 
 # Event kinds.
-LAUNCH, END, GATE, HOST_DOWN, SWEEP, HOST_UP, REGION_DOWN = range(7)
+LAUNCH, END, GATE, HOST_DOWN, SWEEP, HOST_UP, REGION_DOWN, CELL_DOWN = range(8)
 
 
 class SimState:
@@ -70,6 +70,8 @@ class SimState:
             region_loss_ms = config.region_loss_at_s * 1000.0
         if region_loss_ms is not None:
             self._push(region_loss_ms, REGION_DOWN, None, 0)
+        if config.cell_loss_at_s is not None:
+            self._push(config.cell_loss_at_s * 1000.0, CELL_DOWN, None, 0)
 
     def next_replica(self) -> int:
         self._num_replicas += 1

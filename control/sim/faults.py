@@ -71,6 +71,34 @@ class FaultSide(GatewaySide):
         for replica in dead:
             self._pull(replica)
 
+    def _cell_down(self, cell: int) -> None:
+        """A cell's broker is lost (the run's regions stand for one region's cells). What
+        waits in its queues, and what its replicas took and have not started, goes to the
+        other cells `cell_move_ms` later with what is left of its budget (the gateway moves
+        it, api/gateway.py); what its replicas run is answered through another cell
+        (tasks/replica/broker.py); its replicas take nothing more; new requests go to the
+        other cells."""
+        for group in self.groups:
+            if group.region != cell:
+                continue
+            group.alive = False
+            moved: list[int] = list(group.paid_queue) + list(group.free_queue)
+            for replica in group.replicas:
+                moved += [p.payload for p in replica.collector.waiting]
+                replica.collector.waiting = []
+            group.paid_queue.clear()
+            group.free_queue.clear()
+            group.blocked.clear()
+            group.num_ready = 0
+            for j in moved:
+                if self.state[j] != WAITING:
+                    continue
+                self.state[j] = NEW
+                self.stats["moved"] = self.stats.get("moved", 0) + 1
+                self.resent_ids.add(j)
+                self._move(j)
+                heapq.heappush(self.resent, (self.now + self.config.cell_move_ms, j))
+
     def _region_down(self, region: int) -> None:
         """Region 0 is lost with everything in it. Its clients send what was in flight again
         to another region (`control/fleet/regionclient.py`, same request id), with what is left of

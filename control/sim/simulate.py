@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from control.sim.config import SimConfig
-from control.sim.events import END, GATE, HOST_DOWN, HOST_UP, LAUNCH, REGION_DOWN, SWEEP
+from control.sim.events import CELL_DOWN, END, GATE, HOST_DOWN, HOST_UP, LAUNCH, REGION_DOWN, SWEEP
 from control.sim.faults import FaultSide
 from control.sim.group import SimReplica
 from control.sim.result import SimResult
@@ -118,6 +118,8 @@ class Simulation(FaultSide):
             self._host_up(who)
         elif kind == REGION_DOWN:
             self._region_down(0)
+        elif kind == CELL_DOWN:
+            self._cell_down(0)
 
     def _result(self) -> SimResult:
         state = np.frombuffer(bytes(self.state), dtype=np.uint8)

@@ -108,6 +108,20 @@ def test_region_loss_sends_what_was_in_flight_to_the_others() -> None:
     assert result.summary()["answered_200_share"] >= 0.95
 
 
+def test_a_lost_cell_moves_what_waits_in_it_and_the_other_cells_carry_its_requests() -> None:
+    # Three cells of two replicas of batch 16 (their runs' regions stand for the cells) at
+    # about 40% of what they serve; cell 0's broker is lost 5 s in.
+    config = SimConfig(replicas=[2], regions=3, max_batch=16, cell_loss_at_s=5.0)
+    result = simulate(config, make_workload(150, 12, regions=3, seed=9))
+    assert result.stats["moved"] > 0
+    after = result.workload.t_ms > 5_000.0
+    cell = result.group // 1
+    assert not np.any(after & (cell == 0) & (result.state == OK))  # nothing new answered by the lost cell
+    others = result.summary(mask=result.workload.region != 0)["answered_200_share"]
+    assert others >= 0.999  # the other cells' own requests
+    assert result.summary()["answered_200_share"] >= 0.99
+
+
 def test_continuous_policy_runs_the_live_scheduler_and_beats_static_on_the_engine_curve() -> None:
     from tasks.policy.scheduler import ContinuousScheduler
 
