@@ -67,7 +67,6 @@ class Waiter:
     behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
     cell: int = 0  # the cell it waits in
     session: str | None = None  # its tenant-scoped session, if it named one
-    has_text: bool = False  # streamed text came: it stays in its cell
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -80,7 +79,6 @@ class Waiter:
 
     def add_chunk(self, chunk: p.Chunk) -> None:
         if self.item is None and self.job.stream:
-            self.has_text = True
             self.chunks.append(chunk)
             self.news.set()
 
@@ -170,9 +168,10 @@ class Gateway:
             try:
                 return self._submit_to(cell, job, request_id, session_key, is_last=cell is live[-1])
             except ApiError as err:
-                if err.code not in _NEXT_CELL or len(self.cells) == 1:
+                if err.code not in _NEXT_CELL:
                     raise
-                refusal = refusal if refusal is not None and err.code == "no_replica" else err
+                if refusal is None or err.code != "no_replica":  # a broker down says more
+                    refusal = err
         assert refusal is not None
         raise refusal
 
@@ -478,7 +477,7 @@ class Gateway:
         counters; every second, read the clock (the first cell's broker keeps it). A cell
         silent for `MOVE_AFTER_S` after a failed call sends its waiting requests to the
         cells that answer. Those it keeps wait on: its replicas answer a batch they ran
-        through another cell (tasks/replica/fallback.py). With no other cell answering,
+        through another cell (tasks/replica/broker.py, `FallbackReplies`). With no other cell answering,
         they end 503 once it is down."""
         min_ms = self.settings.batch_ms + self.settings.deadline_margin_ms
         last_sync = 0.0

@@ -337,14 +337,14 @@ class FallbackReplies:
     def send(self, items: Sequence[Reply], jobs: list[p.Job]) -> bool:
         """Push each answer to the gateway that admitted its request, through the first
         other cell that takes them all. True if one did."""
-        by_gateway: dict[str, list[str]] = {}
+        by_gateway: dict[str, list[Reply]] = {}
         for item, job in zip(items, jobs, strict=True):
-            by_gateway.setdefault(job.gateway, []).append(item.model_dump_json())
+            by_gateway.setdefault(job.gateway, []).append(item)
         for client in self.clients:
             pipe = client.pipeline(transaction=False)
             for gateway, answers in by_gateway.items():
                 key = keys.reply_key(gateway)
-                pipe.rpush(key, '{"items":[' + ",".join(answers) + "]}")
+                pipe.rpush(key, p.Reply(items=list(answers)).model_dump_json())
                 pipe.expire(key, p.REPLY_TTL_S)
             try:
                 pipe.execute()
