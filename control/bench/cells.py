@@ -19,13 +19,10 @@ import redis
 
 from control.bench.broker_cost import Rates, snapshot
 from control.bench.harness import MODEL, Deployment, child_env
-from control.bench.path_cpu import commit_of, cpu_seconds
+from control.bench.path_cpu import THIS_CHECKOUT, WARMUP_S, commit_of, cpu_seconds
 from control.load.generator import generate
 from control.load.spec import LoadSpec
 from control.load.summary import summarize
-
-WARMUP_S = 3.0
-THIS_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def measure(cells: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -167,9 +167,7 @@ class Deployment:
     def redis_url(self) -> str | None:
         """The operator's broker URL that `up` left for the tools; else (a broker `up` was
         given) the one it gave its children. Neither is known before they start."""
-        secrets_dir = self.env.get("KEYBATCH_SECRETS_DIR")
-        where = Path(secrets_dir).expanduser() if secrets_dir else Settings().secrets_dir
-        url = read_operator_url(credentials_path(where, self.port))
+        url = read_operator_url(self._credentials())
         if url is not None:
             return url
         for proc in self.descendants():
@@ -183,9 +181,13 @@ class Deployment:
 
     def cell_urls(self) -> list[str]:
         """The operator's URL of each cell that `up` left for the tools."""
+        return read_operator_cells(self._credentials())
+
+    def _credentials(self) -> Path:
+        """Where `up` leaves the operator's URLs (its SECRETS_DIR, by its port)."""
         secrets_dir = self.env.get("KEYBATCH_SECRETS_DIR")
         where = Path(secrets_dir).expanduser() if secrets_dir else Settings().secrets_dir
-        return read_operator_cells(credentials_path(where, self.port))
+        return credentials_path(where, self.port)
 
     def cell_brokers(self) -> list[psutil.Process | None]:
         """Each cell's valkey-server child of `up`, in the cells' order (None: not found)."""

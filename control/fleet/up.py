@@ -192,7 +192,6 @@ class System:
         env["KEYBATCH_REDIS_URL"] = self.child_url(role, cell)
         if self.num_cells > 1:
             env.pop("KEYBATCH_BROKER_URL", None)  # each child's broker is its cell's
-        if self.num_cells > 1:
             # A gateway serves every cell; a replica serves its REDIS_URL's and answers
             # through the others when its own broker does not take its answers.
             env["KEYBATCH_CELLS"] = json.dumps([self.child_url(role, i) for i in range(self.num_cells)])
