@@ -59,7 +59,8 @@ class SimState:
         self.resent: list[tuple[float, int]] = sorted(resend or [])  # heap: (time, request) sent again
         self.resent_ids.update(j for _, j in self.resent)
         self.handed_off: list[tuple[float, int]] = []
-        self.stats = dict.fromkeys(("batches", "batch_rows", "wasted", "requeued", "resent", "events", "taken_shut"), 0)
+        counted = ("batches", "batch_rows", "wasted", "requeued", "resent", "moved", "events", "taken_shut")
+        self.stats = dict.fromkeys(counted, 0)
         self.batch_sizes: list[int] = []
         rng = np.random.default_rng(12345)
         self._alt = rng.random(4096).tolist()

@@ -6,7 +6,7 @@ import heapq
 
 from control.sim.events import HOST_UP, SWEEP
 from control.sim.gateway import GatewaySide
-from control.sim.group import SimReplica
+from control.sim.group import Group, SimReplica
 from control.sim.states import EXPIRED, NEW, RUNNING, WAITING
 from tasks.policy.collector import Collector
 from tasks.policy.pullgate import PullGate
@@ -71,6 +71,16 @@ class FaultSide(GatewaySide):
         for replica in dead:
             self._pull(replica)
 
+    def _close(self, group: Group) -> list[int]:
+        """The group takes nothing more: what its queues held, which it no longer does."""
+        group.alive = False
+        queued = list(group.paid_queue) + list(group.free_queue)
+        group.paid_queue.clear()
+        group.free_queue.clear()
+        group.blocked.clear()
+        group.num_ready = 0
+        return queued
+
     def _cell_down(self, cell: int) -> None:
         """A cell's broker is lost (the run's regions stand for one region's cells). What
         waits in its queues, and what its replicas took and have not started, goes to the
@@ -81,20 +91,15 @@ class FaultSide(GatewaySide):
         for group in self.groups:
             if group.region != cell:
                 continue
-            group.alive = False
-            moved: list[int] = list(group.paid_queue) + list(group.free_queue)
+            moved = self._close(group)
             for replica in group.replicas:
                 moved += [p.payload for p in replica.collector.waiting]
                 replica.collector.waiting = []
-            group.paid_queue.clear()
-            group.free_queue.clear()
-            group.blocked.clear()
-            group.num_ready = 0
             for j in moved:
                 if self.state[j] != WAITING:
                     continue
                 self.state[j] = NEW
-                self.stats["moved"] = self.stats.get("moved", 0) + 1
+                self.stats["moved"] += 1
                 self.resent_ids.add(j)
                 self._move(j)
                 heapq.heappush(self.resent, (self.now + self.config.cell_move_ms, j))
@@ -106,16 +111,11 @@ class FaultSide(GatewaySide):
         for group in self.groups:
             if group.region != region:
                 continue
-            group.alive = False
-            held: list[int] = list(group.paid_queue) + list(group.free_queue)
+            held = self._close(group)
             for replica in group.replicas:
                 held += [p.payload for p in replica.held()]
                 replica.alive = False
                 replica.tokens = [t + 1 for t in replica.tokens]
-            group.paid_queue.clear()
-            group.free_queue.clear()
-            group.blocked.clear()
-            group.num_ready = 0
             elsewhere = any(g.alive and g.model == group.model for g in self.groups)
             for j in held:
                 if self.state[j] not in (WAITING, RUNNING):
