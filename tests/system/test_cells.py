@@ -13,8 +13,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import redis
 import requests
 
+from control.broker import keys
 from control.policy.cells import home_cell
 from tests.support.deploy import FREE_KEY, MODEL
 from tests.support.up import Up, keybatch_up
@@ -42,6 +44,26 @@ def post(
     return requests.post(f"{up.url}/v1/completions", json=body, headers=headers, timeout=10)
 
 
+def fault_while_waiting(up: Up, caught: list[str], sig: signal.Signals) -> list[requests.Response]:
+    """Warm both cells, send `caught` (requests of cell 0, each with a budget of two
+    batches and more: what is tested is that they are answered at all, by a move or
+    through another cell, not how close to a batch), and once cell 0 holds all of them,
+    send `sig` to its broker. Their answers."""
+    assert post(up, ids_of_cell(0, 1, "warm0")[0]).status_code == 200
+    assert post(up, ids_of_cell(1, 1, "warm1")[0]).status_code == 200
+    broker = up.cell_broker(0)
+    cell0 = redis.Redis.from_url(up.cell_urls()[0], socket_timeout=2)
+    owners = [keys.owner_key(f"{TENANT}:{rid}") for rid in caught]
+    with ThreadPoolExecutor(len(caught)) as pool:
+        futures = [pool.submit(post, up, rid, None, 2000) for rid in caught]
+        deadline = time.monotonic() + 5
+        while cell0.exists(*owners) < len(owners) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        cell0.close()
+        broker.send_signal(sig)
+        return [f.result() for f in futures]
+
+
 def test_each_cell_carries_its_own_requests_and_the_fleet_names_every_replicas_cell() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL, "--cells", "2") as up:
         assert len(up.cell_urls()) == 2
@@ -61,17 +83,8 @@ def test_each_cell_carries_its_own_requests_and_the_fleet_names_every_replicas_c
 
 def test_requests_waiting_in_a_cell_whose_broker_is_killed_are_answered_and_the_cell_comes_back() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL, "--cells", "2") as up:
-        assert post(up, ids_of_cell(0, 1, "warm0")[0]).status_code == 200
-        assert post(up, ids_of_cell(1, 1, "warm1")[0]).status_code == 200
-        broker = up.cell_broker(0)
         caught = ids_of_cell(0, 8, "caught")
-        with ThreadPoolExecutor(len(caught)) as pool:
-            # A budget of two batches and more: what is tested is that they are answered
-            # at all (by a move to cell 1 or through it), not how close to a batch.
-            futures = [pool.submit(post, up, rid, None, 2000) for rid in caught]
-            time.sleep(0.05)  # they are waiting in cell 0 now
-            broker.send_signal(signal.SIGKILL)
-            answers = [f.result() for f in futures]
+        answers = fault_while_waiting(up, caught, signal.SIGKILL)
         assert [a.status_code for a in answers] == [200] * len(caught), [a.text for a in answers]
         # Cell 0's own requests are carried by cell 1 meanwhile, then by cell 0 again.
         later = ids_of_cell(0, 200, "later")
@@ -89,16 +102,10 @@ def test_requests_waiting_in_a_cell_whose_broker_is_killed_are_answered_and_the_
 
 def test_a_stopped_cell_broker_is_routed_around_and_what_waits_there_moves() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL, "--cells", "2") as up:
-        assert post(up, ids_of_cell(0, 1, "warm0")[0]).status_code == 200
-        assert post(up, ids_of_cell(1, 1, "warm1")[0]).status_code == 200
-        broker = up.cell_broker(0)
         caught = ids_of_cell(0, 6, "stalled")
+        broker = up.cell_broker(0)
         try:
-            with ThreadPoolExecutor(len(caught)) as pool:
-                futures = [pool.submit(post, up, rid, None, 2000) for rid in caught]
-                time.sleep(0.05)
-                broker.send_signal(signal.SIGSTOP)
-                answers = [f.result() for f in futures]
+            answers = fault_while_waiting(up, caught, signal.SIGSTOP)
             assert [a.status_code for a in answers] == [200] * len(caught), [a.text for a in answers]
             # New requests of the silent cell go to the other one.
             for rid in ids_of_cell(0, 4, "new"):
