@@ -204,13 +204,15 @@ def _number(value: str) -> float:
 
 
 def parse_replica_entry(
-    name: str, h: Mapping[bytes, bytes], has_lease: bool = True, now_ms: float = 0.0
+    name: str, h: Mapping[bytes, bytes], has_lease: bool = True, now_ms: float = 0.0, cell: int = 0
 ) -> ReplicaInfo:
-    """A registry entry as read back (`now_ms`: the broker's clock, for the heartbeat's age)."""
+    """A registry entry as read back (`now_ms`: the broker's clock, for the heartbeat's
+    age; `cell`: the cell whose registry held it)."""
     f = {k.decode(): v.decode() for k, v in h.items()}
     seen_ms = _number(f.get("seen_ms", "0"))
     return ReplicaInfo(
         name=name,
+        cell=cell,
         model=f.get("model", "?"),
         state=parse(f.get("state", "?")),
         state_label=f.get("state", "?"),

@@ -42,8 +42,7 @@ def read_fleet(client: redis.Redis, cell: int = 0) -> list[ReplicaInfo]:
     fleet, dead = [], []
     for name, h, lease in zip(names, replies[::2], replies[1::2], strict=True):
         if h:
-            info = parse_replica_entry(name, h, bool(lease), now_ms)
-            fleet.append(replace(info, cell=cell) if cell else info)
+            fleet.append(parse_replica_entry(name, h, bool(lease), now_ms, cell))
         else:
             dead.append(name)
     if dead:
@@ -55,11 +54,9 @@ def parse_fleet_digest(raw: bytes | str, cell: int = 0) -> list[ReplicaInfo]:
     """The registry as the last locked sweep left it (`keys.FLEET_KEY`, control/broker/lua.py)."""
     now_ms, *entries = json.loads(raw)
     fleet = []
-    for name, flat, lease in entries:
-        fields = dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else {}
-        h = {k.encode(): str(v).encode() for k, v in fields.items()}
-        info = parse_replica_entry(name, h, bool(lease), float(now_ms))
-        fleet.append(replace(info, cell=cell) if cell else info)
+    for name, flat, lease in entries:  # flat: the entry's fields and values, in turn (never empty)
+        h = {k.encode(): v.encode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
+        fleet.append(parse_replica_entry(name, h, bool(lease), float(now_ms), cell))
     return sorted(fleet, key=lambda rep: rep.name)
 
 
