@@ -26,12 +26,22 @@ __all__ = ["ENGINE_PREFIX", "FleetView", "FleetViews", "ReplicaInfo", "capacity_
 
 log = logging.getLogger(__name__)
 
+# A registry this much older than the last read comes from another clock (a broker failed
+# over to another host), not from an old sweep: a sweep's registry lives 10 locks (900 ms).
+CLOCK_STEP_MS = 1000.0
+
 
 def read_fleet(client: redis.Redis, cell: int = 0) -> list[ReplicaInfo]:
+    """The registry entry by entry."""
+    return _read_fleet(client, cell)[1]
+
+
+def _read_fleet(client: redis.Redis, cell: int) -> tuple[float, list[ReplicaInfo]]:
+    """The broker's time of the read (ms) and the registry entry by entry."""
     members = cast("set[bytes]", client.smembers(keys.REPLICAS_KEY))  # the client does not decode replies
     names = sorted(n.decode() for n in members)
     if not names:
-        return []
+        return _broker_ms(client), []
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(keys.replica_key(name))
@@ -47,17 +57,27 @@ def read_fleet(client: redis.Redis, cell: int = 0) -> list[ReplicaInfo]:
             dead.append(name)
     if dead:
         client.srem(keys.REPLICAS_KEY, *dead)
-    return fleet
+    return now_ms, fleet
+
+
+def _broker_ms(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return float(seconds * 1000 + micros / 1000)
 
 
 def parse_fleet_digest(raw: bytes | str, cell: int = 0) -> list[ReplicaInfo]:
     """The registry as the last locked sweep left it (`keys.FLEET_KEY`, control/broker/lua.py)."""
+    return _parse_fleet_digest(raw, cell)[1]
+
+
+def _parse_fleet_digest(raw: bytes | str, cell: int) -> tuple[float, list[ReplicaInfo]]:
+    """The broker's time of the sweep (ms) and the registry as it left it."""
     now_ms, *entries = json.loads(raw)
     fleet = []
     for name, flat, lease in entries:  # flat: the entry's fields and values, in turn (never empty)
         h = {k.encode(): v.encode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
         fleet.append(parse_replica_entry(name, h, bool(lease), float(now_ms), cell))
-    return sorted(fleet, key=lambda rep: rep.name)
+    return float(now_ms), sorted(fleet, key=lambda rep: rep.name)
 
 
 def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
@@ -79,6 +99,7 @@ class FleetView:
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
         self.is_reachable = False
         self.read_at = 0.0  # time.monotonic() of the last successful read
+        self.as_of_ms = 0.0  # the broker's time of the registry state in `replicas`
         self._started = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -99,14 +120,17 @@ class FleetView:
 
     def refresh(self, direct: bool = False) -> None:
         """Read the registry: as the last sweep left it (one GET, whatever the fleet's
-        size), or `direct`ly, entry by entry (also where no sweep left one)."""
+        size), or `direct`ly, entry by entry (also where no sweep left one). A sweep's
+        registry older than what a direct read found is not taken: the replica seen come
+        back would be gone again until the next sweep."""
         try:
             digest, wasted = self.client.mget([keys.FLEET_KEY, keys.WASTED_KEY])
             if direct or digest is None:
-                replicas = read_fleet(self.client, self.cell)
+                as_of_ms, replicas = _read_fleet(self.client, self.cell)
             else:
-                replicas = parse_fleet_digest(digest, self.cell)
-            self.replicas, self._capacity = replicas, {}
+                as_of_ms, replicas = _parse_fleet_digest(digest, self.cell)
+            if not 0 < self.as_of_ms - as_of_ms < CLOCK_STEP_MS:
+                self.replicas, self._capacity, self.as_of_ms = replicas, {}, as_of_ms
             self.num_wasted = int(wasted or 0)
             self.is_reachable = True
             self.read_at = time.monotonic()
