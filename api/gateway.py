@@ -67,6 +67,7 @@ class Waiter:
     behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
     cell: int = 0  # the cell it waits in
     session: str | None = None  # its tenant-scoped session, if it named one
+    resend: bool = False  # its cell's broker lost it (restarted empty): to be enqueued again
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -155,7 +156,10 @@ class Gateway:
     def submit(self, job: p.Job, request_id: str, session_key: str | None) -> Waiter:
         """Admit and enqueue one request, or join the attempt in flight under its key;
         raise ApiError if it cannot be taken. The request's own cell first; the next one
-        where that cell's broker does not answer or no replica there serves the model."""
+        where that cell's broker does not answer or no replica there serves the model, and
+        once where its queue is too deep for the request's budget (a lost cell's requests
+        arriving at the others all at once, a cell hotter than the rest); a second cell
+        too deep refuses it."""
         self.start()
         if not self.is_serving():
             raise ApiError(503, "the gateway is shutting down", "shutting_down", retry_after_s=1)
@@ -164,20 +168,37 @@ class Gateway:
         if not live:
             raise _broker_down(None)
         refusal: ApiError | None = None
+        overloaded: ApiError | None = None
         for cell in live:
+            is_last = cell is live[-1]
             try:
-                return self._submit_to(cell, job, request_id, session_key, is_last=cell is live[-1])
+                return self._submit_to(
+                    cell, job, request_id, session_key, is_last, spills=overloaded is None and not is_last
+                )
             except ApiError as err:
-                if err.code not in _NEXT_CELL:
+                if err.code == "overloaded":
+                    if overloaded is not None:
+                        break
+                    overloaded = err
+                elif err.code not in _NEXT_CELL:
                     raise
-                if refusal is None or err.code != "no_replica":  # a broker down says more
+                elif refusal is None or err.code != "no_replica":  # a broker down says more
                     refusal = err
-        assert refusal is not None
-        raise refusal
+        final = refusal or overloaded  # a cell down or without a replica: a peer region may serve it
+        assert final is not None
+        raise final
 
     def _submit_to(
-        self, cell: Cell, job: p.Job, request_id: str, session_key: str | None, is_last: bool = True
+        self,
+        cell: Cell,
+        job: p.Job,
+        request_id: str,
+        session_key: str | None,
+        is_last: bool = True,
+        spills: bool = False,
     ) -> Waiter:
+        """Admit the request in `cell`, or raise its refusal; one the next cell may still
+        take (no replica here, or, where it `spills`, too deep) is not counted."""
         budget = job.deadline_ms - job.received_ms
         capacity = self._capacity(cell, job.model)
         verdict, position, retry_ms = admission.check(budget, capacity, self.limits), 0, 0.0
@@ -208,7 +229,7 @@ class Gateway:
         if verdict == Verdict.ADMIT and waiter is not None:
             self.metrics.inflight.inc()
             return waiter
-        if verdict != Verdict.NO_REPLICA or is_last:  # a cell without one: the next may take it
+        if not (verdict == Verdict.NO_REPLICA and not is_last or verdict == Verdict.OVERLOADED and spills):
             self.metrics.of(self.metrics.rejected, job.model, job.tier, verdict.name.lower()).inc()
         raise _refusal(verdict, budget, capacity, self.limits, position, retry_ms)
 
@@ -484,7 +505,7 @@ class Gateway:
         failed_waiting = False
         while True:
             try:
-                swept, requeued, expired, deaths = cell.sweep(min_ms, SWEEP_LOCK_MS)
+                swept, requeued, expired, deaths, epoch = cell.sweep(min_ms, SWEEP_LOCK_MS)
                 if swept:
                     log.warning(
                         "cell %d: swept %d lapsed replicas: %d requests re-queued, %d expired",
@@ -495,6 +516,10 @@ class Gateway:
                     # released it): what it had popped and not yet recorded is nowhere.
                     threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(cell, min_ms)).start()
                 cell.deaths = deaths
+                if epoch and cell.epoch and epoch != cell.epoch:
+                    self._keyspace_lost(cell)
+                cell.epoch = epoch or cell.epoch
+                self._resend(cell)
                 self._flush_arrivals(cell)
                 self._release_orphans(cell)
                 is_clock = cell.index == 0 and isinstance(self.clock, BrokerClock)
@@ -537,6 +562,22 @@ class Gateway:
         if rescued:
             log.warning("re-queued %d requests a dead replica had taken and not recorded", rescued)
 
+    def _keyspace_lost(self, cell: Cell) -> None:
+        """The cell's broker came back without what it held (a restart faster than the
+        health loop saw, or one seen): this process's requests waiting in it are nowhere
+        now, and go in again, to another cell or to this one."""
+        lost = [w for w in self._waiting_in(cell) if w.enqueued and w.attempt == w.job.id]
+        for waiter in lost:
+            waiter.resend = True
+        log.warning("cell %d's broker restarted empty: %d waiting requests to send again", cell.index, len(lost))
+
+    def _resend(self, cell: Cell) -> None:
+        """Enqueue again what the cell's broker lost, each round until it is taken (a
+        restarted broker knows no replica until they beat again)."""
+        for waiter in self._waiting_in(cell):
+            if waiter.resend and self._move(waiter, here_too=True):
+                waiter.resend = False
+
     def _release_orphans(self, cell: Cell) -> None:
         """Requests of a model that has no live replica left in their cell go to another
         cell that serves it; with none, they end now with 503 (which a gateway with peer
@@ -556,25 +597,27 @@ class Gateway:
         if moved:
             log.warning("cell %d is silent: %d of %d waiting requests sent on", cell.index, moved, len(waiting))
 
-    def _move(self, waiter: Waiter) -> bool:
+    def _move(self, waiter: Waiter, here_too: bool = False) -> bool:
         """Enqueue a waiting request again in another cell (its next in order that answers
-        and serves its model, with room within what is left of its budget). It keeps its
-        attempt: whichever cell answers first answers it. True if it moved.
+        and serves its model, with room within what is left of its budget), or, `here_too`,
+        in its own cell last. It keeps its attempt: whichever cell answers first answers
+        it. True if it moved.
 
         Only what this process enqueued under the request's own attempt moves: a request
         that joined another's attempt is answered with it (that attempt's enqueuer moves
         it), and one whose first enqueue is still under way is not in the cell yet. A
         stream stays where it is: two runs of it would both send text."""
         job, here = waiter.job, waiter.cell
-        if len(self.cells) == 1 or job.stream or waiter.item is not None:
+        if job.stream or waiter.item is not None:
             return False
         if not waiter.enqueued or waiter.attempt != job.id:
             return False
         now = self.clock.now_ms()
         budget = job.deadline_ms - now
-        for index in cell_order(waiter.session or job.key, len(self.cells)):
+        order = [i for i in cell_order(waiter.session or job.key, len(self.cells)) if i != here]
+        for index in order + [here] if here_too else order:
             cell = self.cells[index]
-            if index == here or cell.health.is_down:
+            if cell.health.is_down:
                 continue
             capacity = cell.fleet.capacity(job.model)
             if admission.check(budget, capacity, self.limits) != Verdict.ADMIT:

@@ -38,6 +38,7 @@ WASTED_KEY = key("stats", "wasted")  # results that found their request answered
 DEATHS_KEY = key("deaths")  # how many replicas were ever swept: gateways then run RESCUE
 SWEEPING_KEY = key("sweeping")  # held by the gateway process that sweeps now (one a cell at a time)
 FLEET_KEY = key("fleet")  # the registry as the last sweep read it, for every gateway in one GET
+EPOCH_KEY = key("epoch")  # set once by the first sweep of a broker's keyspace: a new one means it was lost
 
 
 def queue_key(model: str, tier: Tier, behind: bool = False) -> str:
@@ -182,6 +183,7 @@ LUA_KEYS: dict[str, str] = {
     "replicas": REPLICAS_KEY,
     "sweeping": SWEEPING_KEY,
     "fleet": FLEET_KEY,
+    "epoch": EPOCH_KEY,
     "wasted": WASTED_KEY,
     "behind": BEHIND_SUFFIX,
     "tenant": TENANT_PART,

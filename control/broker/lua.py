@@ -291,7 +291,8 @@ end
 SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
 
 # ARGV: min ms, lock ms. Sweeps every holder whose lease lapsed; returns {holders, requeued,
-# expired, deaths}: the last, how many replicas were ever swept, tells a gateway to run RESCUE.
+# expired, deaths, epoch}: deaths, how many replicas were ever swept, tells a gateway to run
+# RESCUE; the epoch, set by the first sweep of the keyspace, changes when the broker lost it.
 # With a lock (lock ms > 0) only the first call in each lock's span sweeps, whichever of the
 # gateway processes makes it, and it also leaves the registry as one value (FLEET: the
 # broker's time in ms, then per replica its name, its entry's fields and values, and 1 if
@@ -330,7 +331,13 @@ if locked then
     redis.call('SET', K.fleet, cjson.encode(fleet), 'PX', 10 * lock_ms)
   end
 end
-return {swept, requeued, expired, tonumber(redis.call('GET', K.deaths) or '0')}
+local epoch = redis.call('GET', K.epoch)
+if not epoch then  -- a new keyspace (a broker started empty); '' where the broker refuses the write
+  local t = redis.call('TIME')
+  local got = redis.pcall('SET', K.epoch, t[1] .. '.' .. t[2], 'NX')
+  epoch = (type(got) == 'table' and got.ok == 'OK') and (t[1] .. '.' .. t[2]) or ''
+end
+return {swept, requeued, expired, tonumber(redis.call('GET', K.deaths) or '0'), epoch}
 """
 )
 

@@ -183,6 +183,7 @@ class SweepReport(NamedTuple):
     requeued: int
     expired: int
     deaths: int  # replicas ever swept, deployment-wide
+    epoch: str = ""  # the keyspace's: another one means the broker lost what it held ("": unknown)
 
 
 class SweepDead(_Registered):
@@ -193,8 +194,9 @@ class SweepDead(_Registered):
     def __call__(self, min_ms: float, lock_ms: float = 0.0) -> SweepReport:
         """With `lock_ms`, a call within that long of another's sweeps nothing (and
         reports 0 swept); the one that sweeps leaves the registry in `keys.FLEET_KEY`."""
-        swept, requeued, expired, deaths = self._run([keys.HOLDERS_KEY], [min_ms, int(lock_ms)])
-        return SweepReport(int(swept), int(requeued), int(expired), int(deaths))
+        swept, requeued, expired, deaths, epoch = self._run([keys.HOLDERS_KEY], [min_ms, int(lock_ms)])
+        epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        return SweepReport(int(swept), int(requeued), int(expired), int(deaths), epoch)
 
 
 class Swept(NamedTuple):

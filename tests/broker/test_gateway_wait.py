@@ -3,20 +3,23 @@ real Valkey (the gateway's cancel there marks the attempt with the reason)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import gevent
 import gevent.event
 import pytest
 import redis
 
+from api.errors import ApiError
 from api.gateway import Gateway, Waiter
-from control.broker import keys
+from control.broker import keys, records
 from control.broker.scripts import Admit
 from control.core import protocol as p
 from control.core.clock import ManualClock
 from control.core.settings import Settings
 from control.fleet.valkey import EmbeddedBroker
+from control.policy.cells import cell_order
 from tasks.celery.app import make_celery
 
 ATTEMPT = "a" * 32
@@ -72,3 +75,81 @@ def test_an_answer_that_comes_while_a_wait_ended_early_waits_again_is_delivered(
     gevent.spawn_later(0.045, event.set)  # after the first 30 ms wait, within the next
     assert gateway._await(waiter, event, gevent.event.Event()) is True
     assert waiter.item is None and state.get(keys.cancel_key(ATTEMPT)) is None
+
+
+def _register(state: redis.Redis, name: str = "r1") -> None:
+    """A replica of model m serving in the registry, as its heartbeat leaves it."""
+    entry = records.pack_replica_entry(
+        model="m", state="serving", held=0, moving_to="", backend="fixed", max_batch=16, batch_ms=250.0,
+        join_ms=0.0, buffered=0, busy=False, host="h", pid=7, seen_ms=0.0, why_not_ready="", clock_offset_ms=0.0,
+        counters={}, engine={},
+    )  # fmt: skip
+    state.hset(keys.replica_key(name), mapping=entry)
+    state.sadd(keys.REPLICAS_KEY, name)
+    state.set(keys.lease_key(name), "1", px=60_000)
+
+
+def _until(check: Callable[[], object], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.01)
+
+
+def test_a_request_its_broker_lost_by_restarting_empty_is_enqueued_again(broker: str) -> None:
+    # A restart between two of the health loop's probes is never seen as an outage: only
+    # the keyspace's epoch, which the sweep names, tells the gateway its requests are gone.
+    state = redis.Redis.from_url(broker)
+    state.flushall()
+    _register(state)
+    settings = Settings(redis_url=broker)
+    gateway = Gateway(settings, redis.Redis.from_url(broker), make_celery(settings), ManualClock(0.0))
+    job = p.Job(id=ATTEMPT, gateway=gateway.id, deadline_ms=60_000, **JOB)
+    waiter = gateway.submit(job, "r", None)
+    try:
+        queue = keys.lane_keys("m", job.tier).queue
+        assert state.llen(queue) == 1
+        _until(lambda: gateway.cells[0].epoch)
+        state.flushall()
+        _register(state)
+        _until(lambda: state.llen(queue) == 1)
+        assert state.exists(keys.owner_key(job.key)) and waiter.item is None
+        assert not waiter.resend
+    finally:  # its health loop runs on: nothing of this gateway's may wait in the next test's broker
+        waiter.resolve(p.Dropped(id=ATTEMPT, reason="expired", replica=""))
+
+
+@pytest.fixture(scope="module")
+def second_broker() -> Iterator[str]:
+    with EmbeddedBroker() as server:
+        yield server.url
+
+
+def test_a_request_its_cell_has_no_room_for_is_taken_by_the_next_cell_and_a_second_full_one_refuses(
+    broker: str, second_broker: str
+) -> None:
+    urls = [broker, second_broker]
+    states = [redis.Redis.from_url(url) for url in urls]
+    for state in states:
+        state.flushall()
+        _register(state)
+    settings = Settings(cells=urls)
+    gateway = Gateway(settings, [redis.Redis.from_url(u) for u in urls], make_celery(settings), ManualClock(0.0))
+    job = p.Job(id=ATTEMPT, gateway=gateway.id, deadline_ms=600, **JOB)
+    home, other = cell_order(job.key, 2)
+    lane = keys.lane_keys("m", job.tier)
+
+    def fill(cell: int) -> None:  # more waiting than a batch of 16 can take within the budget
+        states[cell].zadd(lane.waiting_free, {f"w{i}": 60_000 for i in range(200)})
+
+    fill(home)
+    waiter = gateway.submit(job, "r", None)
+    waiter.resolve(p.Dropped(id=ATTEMPT, reason="expired", replica=""))  # (the gateway's loops run on)
+    assert waiter.cell == other
+    assert states[other].llen(lane.queue) == 1 and states[home].llen(lane.queue) == 0
+
+    fill(other)
+    second = p.Job(id="b" * 32, gateway=gateway.id, deadline_ms=600, **{**JOB, "key": job.key + "2"})
+    with pytest.raises(ApiError) as refused:
+        gateway.submit(second, "r2", None)
+    assert (refused.value.status, refused.value.code) == (429, "overloaded")

@@ -211,11 +211,18 @@ def test_a_sweep_requeues_what_a_replica_without_a_lease_held(state: redis.Redis
     message = _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     state.set(keys.lease_key("r1"), "1")
     assert scripts.SweepOne(state)("r1", 265) is None  # its lease is alive
-    assert scripts.SweepDead(state)(265) == scripts.SweepReport(0, 0, 0, 0)
+    assert scripts.SweepDead(state)(265)[:4] == (0, 0, 0, 0)
     state.delete(keys.lease_key("r1"))
-    assert scripts.SweepDead(state)(265) == scripts.SweepReport(1, 1, 0, 1)
+    assert scripts.SweepDead(state)(265)[:4] == (1, 1, 0, 1)
     assert state.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [message]  # the owner kept it
     assert state.get(keys.requeued_key("a1")) == b"1"
+
+
+def test_the_sweep_names_the_keyspace_until_the_broker_loses_it(state: redis.Redis) -> None:
+    first = scripts.SweepDead(state)(265).epoch
+    assert first and scripts.SweepDead(state)(265, lock_ms=90).epoch == first
+    state.flushall()  # what a broker restarted without its data holds
+    assert scripts.SweepDead(state)(265).epoch not in ("", first)
 
 
 def test_release_replica_expires_what_has_no_time_left(state: redis.Redis) -> None:
@@ -282,11 +289,11 @@ def test_a_locked_sweep_runs_once_a_span_and_leaves_the_registry_in_one_value(st
     state.set(keys.lease_key("r1"), "1")
     state.sadd(keys.REPLICAS_KEY, "gone")  # its entry expired: the sweep drops the name
     _hold(state, "r2", "acme:r2", "a2", FAR_MS)  # r2 has no lease: what it held is re-queued
-    assert scripts.SweepDead(state)(265, lock_ms=10_000) == scripts.SweepReport(1, 1, 0, 1)
+    assert scripts.SweepDead(state)(265, lock_ms=10_000)[:4] == (1, 1, 0, 1)
     # Another gateway process within the lock's span sweeps nothing, though r1 lapsed now.
     state.delete(keys.lease_key("r1"))
     _hold(state, "r1", "acme:r1", "a1", FAR_MS)
-    assert scripts.SweepDead(state)(265, lock_ms=10_000) == scripts.SweepReport(0, 0, 0, 1)
+    assert scripts.SweepDead(state)(265, lock_ms=10_000)[:4] == (0, 0, 0, 1)
     assert state.smembers(keys.REPLICAS_KEY) == {b"r1", b"r2"}
     digest = state.get(keys.FLEET_KEY)
     assert digest is not None
@@ -314,6 +321,6 @@ def test_a_broker_at_its_memory_limit_still_answers_the_locked_sweep(state: redi
     try:
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             state.set("{kb}:probe", "1")
-        assert scripts.SweepDead(state)(265, lock_ms=90) == scripts.SweepReport(0, 0, 0, 0)
+        assert scripts.SweepDead(state)(265, lock_ms=90) == scripts.SweepReport(0, 0, 0, 0, "")  # epoch unknown
     finally:
         state.config_set("maxmemory", limit)
