@@ -23,7 +23,7 @@ from tasks.policy.pullgate import PullGate
 from tasks.replica.broker import BrokerError, Client, FallbackReplies, Fields, ReplicaBroker
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.events import EventSink, NoEvents
-from tasks.replica.lease import LeaseClock, monotonic_ms
+from tasks.replica.lease import BrokerDoubt, LeaseClock, monotonic_ms
 from tasks.replica.perf import BatchTimes
 from tasks.replica.stats import Stats
 from tasks.replica.streaming import Streams
@@ -58,6 +58,7 @@ class ReplicaCore:
         self.stats = Stats()
         self.perf = BatchTimes()
         self.lease = LeaseClock(config.lease_ms)
+        self.doubt = BrokerDoubt()
         self.watchdog = Watchdog(config.stall_ms)
         self.streams = Streams(self.broker)
         self.state = ReplicaState.STARTING  # changed only through control/core/lifecycle.py
@@ -145,8 +146,16 @@ class ReplicaCore:
         return self.watchdog.is_stalled(self.engine.expected_batch_ms())
 
     def cancelled(self, ids: Iterable[str]) -> list[str]:
-        """Which of `ids` their clients cancelled (one MGET)."""
-        return list(self.broker.cancels_and_paid(self.model, list(ids), 0)[0])
+        """Which of `ids` their clients cancelled (one MGET); none while the broker is doubted."""
+        if self.doubt.skips():
+            return []
+        try:
+            reasons = self.broker.cancels_and_paid(self.model, list(ids), 0)[0]
+        except BrokerError:
+            self.doubt.failed()
+            raise
+        self.doubt.answered()
+        return list(reasons)
 
     def lease_ms(self) -> float:
         """The lease a renewal sent now sets (the next one is timed from now)."""
@@ -155,11 +164,14 @@ class ReplicaCore:
     def renew_lease_if_due(self) -> None:
         """Called by the engine between steps: a batch longer than the lease keeps it.
         A broker that is away is not the engine's failure: the batch goes on."""
-        if self.lease.is_due():
+        if self.lease.is_due() and not self.doubt.skips():
             try:
                 self.broker.renew_lease(self.lease_ms())
             except BrokerError:
+                self.doubt.failed()
                 log.warning("could not renew the lease")
+            else:
+                self.doubt.answered()
 
     def idle_until_ms(self) -> float:
         """Until when an idle entry written now holds: peers drop a stale one."""

@@ -1,4 +1,5 @@
-"""When a replica renews its lease, and for how long (control/broker/scripts.py).
+"""When a replica renews its lease, and for how long (control/broker/scripts.py); when it
+doubts its broker.
 
 Pure timing, monotonic ms: the broker calls that renew it are tasks/replica/broker.py's.
 """
@@ -32,6 +33,33 @@ class LeaseClock:
 
     def due_in_ms(self) -> float:
         return self.renew_at_ms - monotonic_ms()
+
+
+class BrokerDoubt:
+    """After a failed call, the calls the engine makes between its steps (cancel checks,
+    lease renewals) leave the broker alone for a window, which doubles up to `most_ms`
+    while the calls go on failing: a stalled broker costs a batch one call's bound per
+    window, not one per step."""
+
+    def __init__(self, first_ms: float = 200.0, most_ms: float = 1000.0) -> None:
+        self.first_ms, self.most_ms = first_ms, most_ms
+        self.window_ms = 0.0
+        self.until_ms = 0.0
+        self.failed_ms = float("-inf")  # when a call last failed
+
+    def skips(self) -> bool:
+        return monotonic_ms() < self.until_ms
+
+    def failed(self) -> None:
+        self.failed_ms = monotonic_ms()
+        self.window_ms = min(self.most_ms, 2 * self.window_ms) if self.window_ms else self.first_ms
+        self.until_ms = self.failed_ms + self.window_ms
+
+    def answered(self) -> None:
+        self.window_ms = self.until_ms = 0.0
+
+    def failed_within(self, ms: float) -> bool:
+        return monotonic_ms() - self.failed_ms < ms
 
 
 def monotonic_ms() -> float:

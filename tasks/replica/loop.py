@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# With other cells to answer through: a broker that failed a call this recently is not
+# waited on (its bound) before a batch's answers go through another cell.
+BROKER_DOUBT_MS = 1000.0
+
 
 class Loop:
     def __init__(self, replica: ReplicaCore, intake: Intake, ops: Operations) -> None:
@@ -60,7 +64,9 @@ class Loop:
                     self.in_hand, dropped = self.take()
                     self.in_hand = self.settle(self.in_hand, dropped)
                     self.policy.run(self.in_hand, started)
-            except Exception:  # Redis away, a bad message: never let the loop die
+            except Exception as exc:  # Redis away, a bad message: never let the loop die
+                if isinstance(exc, BrokerError):
+                    r.doubt.failed()
                 log.exception("batching loop error; %d requests in hand, %d running", len(self.in_hand), len(r.joined))
                 self.fail()
                 r.stopped.wait(0.1)
@@ -145,12 +151,22 @@ class Loop:
         if batch:
             now = r.clock.now_ms()
             claim = (r.lease_ms(), int(max(pd.deadline_ms for pd in batch) - now) + 1000, now)
-        settled = r.broker.settle(
-            r.model,
-            [(held(pd).job, held(pd).message) for pd in batch],
-            [(held(pd).job, reason) for reason, group in dropped.items() for pd in group],
-            claim,
-        )
+        try:
+            settled = r.broker.settle(
+                r.model,
+                [(held(pd).job, held(pd).message) for pd in batch],
+                [(held(pd).job, reason) for reason, group in dropped.items() for pd in group],
+                claim,
+            )
+        except BrokerError:
+            if r.fallback is None or not batch:
+                raise
+            # The broker went with the batch in hand: run it unclaimed and answer through
+            # another cell. Its gateways may run a request again elsewhere too; the first
+            # answer wins.
+            r.doubt.failed()
+            log.warning("the broker did not take the claim of %d requests: running them all the same", len(batch))
+            settled = None
         if settled is not None:
             claimed, peers_idle, launches = settled
             r.gate.peers(idle=peers_idle, launches=launches)
@@ -183,10 +199,14 @@ class Loop:
         for job in jobs:
             r.streams.forget(job.id)
         idle_until = r.idle_until_ms() if ends_batch else None
+        sent = False
+        if r.fallback is not None and r.doubt.failed_within(BROKER_DOUBT_MS):
+            sent = r.fallback.send(items, jobs)  # first: the broker's own answer may be a bound away
         try:
             wasted, launches = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until)
         except BrokerError:
-            if r.fallback is None or not r.fallback.send(items, jobs):
+            r.doubt.failed()
+            if not sent and (r.fallback is None or not r.fallback.send(items, jobs)):
                 raise
             log.warning("the broker did not take %d answers: sent through another cell", len(items))
             r.stats.ran(len(jobs), batch_size)
