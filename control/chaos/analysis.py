@@ -64,6 +64,7 @@ def _group(records: list[Record]) -> dict[str, object]:
         "p99_ms": percentile(ok, 99) if ok else None,
         "paid_p99_ms": percentile(paid, 99) if paid else None,
         "paid_statuses": dict(sorted(Counter(outcome(r) for r in records if r.tier == PAID).items())),
+        "errors": dict(sorted(Counter(f"{r.status} {r.code}" for r in records if r.status not in (0, 200)).items())),
     }
 
 
