@@ -152,7 +152,7 @@ class GatewayServer(BaseApplication):
     def load_config(self) -> None:
         s = self.settings
         options: dict[str, Any] = {
-            "bind": f"{s.host}:{s.port}",
+            "bind": f"{s.bind}:{s.port}",
             "workers": s.api_processes,
             "worker_class": _worker_class(s) if s.api_worker_class == "gevent" else "gthread",
             "threads": s.api_threads if s.api_worker_class == "gthread" else 1,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
 from control.core.settings import Settings
@@ -50,6 +49,12 @@ def _add_serving_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     up.add_argument("--port", type=int, default=None)
     up.add_argument(
         "--cells", type=int, default=None, help="embedded brokers, one cell each, replicas spread over them (default 1)"
+    )
+    up.add_argument(
+        "--replicas-per-host",
+        type=int,
+        default=0,
+        help="group the replicas into simulated hosts of this many (HOST-h1, HOST-h2...), to test a host's loss",
     )
 
     sub.add_parser("api", help="one gateway (HTTP) process group").add_argument("--port", type=int, default=None)
@@ -204,6 +209,7 @@ def _up(settings: Settings, args: argparse.Namespace) -> int:
         models=models,
         port=settings.port,
         cells=args.cells,
+        replicas_per_host=args.replicas_per_host,
     )
     try:
         system = System(settings, plan)
@@ -230,7 +236,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     if args.model not in settings.models:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
         return 2
-    name = args.name or f"{args.model}-{os.getpid()}@{socket.gethostname()}"
+    name = args.name or f"{args.model}-{os.getpid()}@{settings.host}"
     model = _assigned_model(settings, name) or args.model
     if args.backend == "hf" and not (settings.model_path(model) / "config.json").exists():
         print(f"no model folder at {settings.model_path(model)}: `keybatch model build`", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -47,7 +48,7 @@ class Settings(BaseSettings):
     )
 
     # Gateway.
-    host: str = "127.0.0.1"
+    bind: str = Field("127.0.0.1", description="the address the gateway listens on")
     port: int = 8000
     api_worker_class: Literal["gevent", "gthread"] = "gevent"
     api_processes: int = Field(2, ge=1, description="gateway worker processes (one per core)")
@@ -155,6 +156,11 @@ class Settings(BaseSettings):
 
     # Replica registry.
     heartbeat_s: float = Field(1.0, gt=0)
+    host: str = Field(
+        default_factory=socket.gethostname,
+        description="the host a replica runs on: its registry entry and its name say it "
+        "(`keybatch up --replicas-per-host` gives each group of replicas one)",
+    )
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: Literal["watched", "always", "off"] = Field(
         "watched",

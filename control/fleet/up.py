@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -65,6 +64,11 @@ class Plan:
     port: int = 8000
     quiet: bool = False
     cells: int | None = None  # embedded brokers; None: one, or as many as CELLS names
+    replicas_per_host: int = 0  # replicas grouped into simulated hosts of this many (0: one host)
+
+    def replica_host(self, index: int, host: str) -> str:
+        """The host replica `index` says it runs on: this one, or its simulated group's."""
+        return f"{host}-h{index // self.replicas_per_host + 1}" if self.replicas_per_host else host
 
     def num_cells(self, settings: Settings) -> int:
         return self.cells or len(settings.cells) or 1
@@ -165,7 +169,7 @@ class System:
         self.cell_urls: list[str] = list(settings.cells) or ([settings.redis_url] if settings.redis_url else [])
         self.num_cells = plan.num_cells(settings)
         self.credentials_file: Path | None = None  # where the operator's URL is left for the tools
-        self.url = f"http://{settings.host}:{plan.port}"
+        self.url = f"http://{settings.bind}:{plan.port}"
         # Children log to stderr; stdout carries only `keybatch ready: URL`.
         self.out = subprocess.DEVNULL if plan.quiet else sys.stderr
 
@@ -217,11 +221,13 @@ class System:
                 name = "embedded Valkey" if self.num_cells == 1 else f"embedded Valkey of cell {i}"
                 self.children.append(Child("broker", name, index=i, started_at=time.monotonic()))
             self._leave_credentials()
-        host = socket.gethostname()
+        host = self.settings.host
         # Replicas of two regions on one host (tests, demos) must not share names.
         region = "" if self.settings.region == "local" else f".{self.settings.region}"
         for i, model in enumerate(self.plan.replica_models()):
-            self.children.append(Child("replica", f"{model}-{i + 1}{region}@{host}", index=i))
+            self.children.append(
+                Child("replica", f"{model}-{i + 1}{region}@{self.plan.replica_host(i, host)}", index=i)
+            )
         self.children.append(Child("gateway", "gateway"))
         for child in self.children:
             if child.kind != "broker":
@@ -243,6 +249,7 @@ class System:
         elif child.kind == "replica":
             restarted = child.index < len(self.workers)
             env = self.env("replica", self.plan.replica_cell(child.index, self.num_cells))
+            env["KEYBATCH_HOST"] = self.plan.replica_host(child.index, self.settings.host)
             proc = _spawn(self._replica_cmd(child), env, self.out, RESTART_NICE if restarted else 0)
             child.renice_at = time.monotonic() + RENICE_AFTER_S if restarted else None
             if child.index < len(self.workers):

@@ -18,4 +18,5 @@ class ReplicaConfig:
     lease_ms: float = 300.0
     stall_ms: float = 2000.0  # an engine step this far past a whole batch's time hangs
     max_clock_error_ms: float = 25.0
+    host: str = ""  # the host it runs on ("": this machine's name)
     hand_back: bool = True  # what a pull sent before the gate shut brings goes back to the queue

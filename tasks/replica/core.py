@@ -217,7 +217,7 @@ class ReplicaCore:
             join_ms=self.engine.expected_step_ms() if self.engine.continuous else 0.0,
             buffered=buffered,
             busy=self.busy,
-            host=socket.gethostname(),
+            host=self.config.host or socket.gethostname(),
             pid=os.getpid(),
             seen_ms=self.clock.now_ms(),
             why_not_ready=self.why_not_ready,

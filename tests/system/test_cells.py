@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,8 +65,8 @@ def fault_while_waiting(up: Up, caught: list[str], sig: signal.Signals) -> list[
         return [f.result() for f in futures]
 
 
-def test_each_cell_carries_its_own_requests_and_the_fleet_names_every_replicas_cell() -> None:
-    with keybatch_up("--workers", "2", "--models", MODEL, "--cells", "2") as up:
+def test_each_cell_carries_its_own_requests_and_the_fleet_names_every_replicas_cell_and_host() -> None:
+    with keybatch_up("--workers", "2", "--models", MODEL, "--cells", "2", "--replicas-per-host", "1") as up:
         assert len(up.cell_urls()) == 2
         for cell in (0, 1):
             for rid in ids_of_cell(cell, 3, "own"):
@@ -78,7 +79,12 @@ def test_each_cell_carries_its_own_requests_and_the_fleet_names_every_replicas_c
             [sys.executable, "-m", "control", "fleet", "--json"], env=env, capture_output=True, text=True, timeout=30
         )
         assert shown.returncode == 0, shown.stderr
-        assert sorted(r["cell"] for r in json.loads(shown.stdout)["replicas"]) == [0, 1]
+        replicas = json.loads(shown.stdout)["replicas"]
+        assert sorted(r["cell"] for r in replicas) == [0, 1]
+        # One simulated host each: the registry says it, and so does the name.
+        hosts = sorted(r["host"] for r in replicas)
+        assert hosts == [f"{socket.gethostname()}-h1", f"{socket.gethostname()}-h2"], hosts
+        assert all(r["id"].endswith("@" + r["host"]) for r in replicas), replicas
 
 
 def test_requests_waiting_in_a_cell_whose_broker_is_killed_are_answered_and_the_cell_comes_back() -> None:

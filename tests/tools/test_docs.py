@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ PLACEHOLDER = re.compile(r"\b[A-Z]+\b")  # docs/bench/chaos-SCENARIO.json: any s
 
 def _default(field: Any) -> str:
     """A field's default as the table writes it: unset, or its value as JSON."""
+    if field.default_factory is socket.gethostname:
+        return "this machine's name"
     if field.default_factory is not None:
         value = field.default_factory()
     elif field.default is PydanticUndefined:
