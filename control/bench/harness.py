@@ -93,9 +93,11 @@ class Deployment:
         backend: Backend = "fixed",
         policy: Policy | None = None,  # None: the POLICY setting of `env`
         cells: int = 1,
+        replicas_per_host: int = 0,
     ) -> None:
         self.name = name
         self.cells = cells
+        self.replicas_per_host = replicas_per_host
         self.backend, self.policy = backend, policy
         self.cwd = cwd  # the checkout whose `control` runs (default: this one)
         self.replicas_wanted = replicas
@@ -113,6 +115,7 @@ class Deployment:
         cmd += ["--policy", self.policy] if self.policy else []
         cmd += ["--workers", str(self.replicas_wanted)]
         cmd += ["--cells", str(self.cells)] if self.cells > 1 else []
+        cmd += ["--replicas-per-host", str(self.replicas_per_host)] if self.replicas_per_host else []
         cmd += ["--models", ",".join(self.models), "--port", str(self.port)]
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(

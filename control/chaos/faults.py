@@ -68,6 +68,36 @@ async def _replica_hang_timed(run: Run) -> Injection:
     return injection
 
 
+async def _host_loss(run: Run) -> Injection:
+    """Every replica of one simulated host stopped at once (no process exits, nobody is
+    signalled: a machine or its network gone), for PAUSE_S, then killed (the supervisor
+    starts them again); and how long until what they held was re-queued."""
+    replicas = await asyncio.to_thread(run.target.replicas)
+    hosts: dict[str, list[tuple[str, psutil.Process]]] = {}
+    for name, proc in replicas:
+        hosts.setdefault(name.rpartition("@")[2], []).append((name, proc))
+    if not hosts:
+        return Injection(run.now_s(), "SIGSTOP a host's replicas", note="no replica found")
+    host = run.rng.choice(sorted(hosts))
+    victims = hosts[host]
+    swept = [asyncio.ensure_future(asyncio.to_thread(_wait_swept, run, name, PAUSE_S)) for name, _proc in victims]
+    for _name, proc in victims:
+        send_signal(proc, signal.SIGSTOP)
+    injection = Injection(
+        run.now_s(), f"SIGSTOP host {host} ({len(victims)} replicas) for {PAUSE_S:.0f} s, then SIGKILL them",
+        [describe(proc, name) for name, proc in victims],
+    )  # fmt: skip
+    try:
+        await asyncio.sleep(PAUSE_S)
+    finally:
+        for _name, proc in victims:
+            send_signal(proc, signal.SIGKILL)
+        injection.ended_s = run.now_s()
+    times = [ms for ms in await asyncio.gather(*swept) if ms is not None]
+    injection.requeue_ms = max(times) if len(times) == len(victims) else None
+    return injection
+
+
 def _wait_swept(run: Run, name: str, timeout_s: float = 3.0) -> float | None:
     """Milliseconds from now until the replica's held requests were re-queued (its held
     hash is gone), or None if that did not happen within `timeout_s`."""
@@ -190,6 +220,7 @@ FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "broker-stall": _broker_stall,
     "broker-loss": _broker_loss,
     "cell-loss": _cell_loss,
+    "host-loss": _host_loss,
     "gateway-kill": _gateway_kill,
     "client-hangup": _client_hangup,
     "region-loss": _region_loss,
@@ -197,7 +228,7 @@ FAULTS: dict[str, Callable[[Run], Awaitable[Injection]]] = {
     "idle-connections": _idle_connections,
     "overload-spike": _overload_spike,
 }
-REPEATABLE = {"replica-kill", "replica-hang", "broker-stall", "broker-loss", "cell-loss", "gateway-kill"}
+REPEATABLE = {"replica-kill", "replica-hang", "host-loss", "broker-stall", "broker-loss", "cell-loss", "gateway-kill"}
 
 
 async def inject(run: Run) -> None:

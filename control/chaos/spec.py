@@ -40,12 +40,16 @@ class ChaosSpec:
     idle: IdleSpec | None = None  # client-hangup --idle: faults one at a time, no load
     cells: int = 1
     pause: bool = False  # cell-loss: SIGSTOP the broker for PAUSE_S instead of SIGKILL
+    replicas_per_host: int = 0  # simulated hosts of this many replicas (`up --replicas-per-host`)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:
         idle = None
         if args.idle:
             idle = IdleSpec(args.hangups, args.cancels, args.every, HANGUP_MS, args.tail, model=MODEL, key=PAID_KEY)
+        per_host = args.replicas_per_host
+        if per_host is None:
+            per_host = 2 if args.scenario == "host-loss" else 0
         return cls(
             args.scenario,
             args.replicas,
@@ -64,6 +68,7 @@ class ChaosSpec:
             idle,
             args.cells or (3 if args.scenario == "cell-loss" else 1),
             args.pause,
+            per_host,
         )
 
     def problem(self) -> str | None:
@@ -73,6 +78,10 @@ class ChaosSpec:
             return self.idle.problem()
         if self.scenario == "cell-loss" and self.cells < 2:
             return "cell-loss needs --cells 2 or more (one is lost, the others serve)"
+        if self.scenario == "host-loss" and not 0 < self.replicas_per_host < self.replicas:
+            return "host-loss needs --replicas-per-host below --replicas (one host is lost, another serves)"
+        if self.replicas_per_host < 0:
+            return "--replicas-per-host must be at least 0"
         if self.pause and self.scenario != "cell-loss":
             return "--pause is a variant of cell-loss only"
         if self.replicas < self.cells:
@@ -92,7 +101,17 @@ def deployments_for(spec: ChaosSpec) -> list[Deployment]:
     """The deployments, the one under load first."""
     if spec.scenario != "region-loss":
         env = child_env(PAID_KEY, FREE_KEY)
-        return [Deployment("main", spec.replicas, env, backend=spec.backend, policy=spec.policy, cells=spec.cells)]
+        return [
+            Deployment(
+                "main",
+                spec.replicas,
+                env,
+                backend=spec.backend,
+                policy=spec.policy,
+                cells=spec.cells,
+                replicas_per_host=spec.replicas_per_host,
+            )
+        ]
     b = Deployment("b", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="b"))
     a = Deployment("a", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="a", peers=json.dumps([b.url])))
     return [a, b]

@@ -168,6 +168,7 @@ CHAOS_SCENARIOS = {  # control/chaos/faults.py has one fault for each
     "broker-stall": "SIGSTOP the broker for 5 s, then SIGCONT",
     "broker-loss": "SIGKILL the broker (the supervisor should restart it)",
     "cell-loss": "--cells N (default 3): SIGKILL one cell's broker, or with --pause SIGSTOP it for 5 s",
+    "host-loss": "--replicas-per-host K (default 2): SIGSTOP every replica of one host for 5 s, then SIGKILL them",
     "gateway-kill": "SIGKILL one gateway worker process",
     "client-hangup": "20% of clients close their connection 100 ms after sending",
     "region-loss": "two deployments, A with peer B; SIGKILL A's broker and replicas",
@@ -185,6 +186,9 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--cells", type=int, default=None, help="`up --cells` (default 1; cell-loss: 3)")
     p.add_argument("--pause", action="store_true", help="cell-loss: SIGSTOP the cell's broker for 5 s, not SIGKILL")
+    p.add_argument(
+        "--replicas-per-host", type=int, default=None, help="`up --replicas-per-host` (default 0; host-loss: 2)"
+    )
     p.add_argument("--load", type=float, default=0.7, help="share of capacity (replicas x batch per batch time)")
     p.add_argument("--paid-share", type=float, default=0.3)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load")

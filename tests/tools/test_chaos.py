@@ -53,6 +53,25 @@ def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: 
     assert alive == []
 
 
+def test_host_loss_stops_every_replica_of_one_simulated_host_at_once_then_kills_them(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, "-m", "control", "chaos", "host-loss", "--replicas", "4", "--replicas-per-host", "2"]
+    cmd += ["--load", "0.1", "--duration", "9", "--fault-at", "2", "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYBATCH_")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    drop_kept_logs(done.stderr)
+    [fault] = report["faults"]
+    assert fault["action"].startswith("SIGSTOP host ") and fault["action"].endswith("then SIGKILL them"), fault
+    assert len(fault["targets"]) == 2, fault
+    host = fault["action"].split()[2]
+    assert host.endswith(("-h1", "-h2")), host
+    assert all(f"@{host}" in target for target in fault["targets"]), fault  # both replicas of that host
+    assert 4.5 <= fault["ended_s"] - fault["at_s"] <= 7.0, fault
+    assert report["sent"] > 0 and sum(report["answered"].values()) + report["lost"] == report["sent"]
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
