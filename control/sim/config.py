@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from control.sim.cost import CostModel
+from tasks.policy.hedging import HedgeMode
 
 
 @dataclass
@@ -24,7 +25,10 @@ class SimConfig:
     max_queue_paid: int = 4096
     max_queue_free: int = 2048
     admission_refresh_ms: float = 10.0  # how often a group's admission limits are worked out again
-    host_size: int = 8  # replicas a host carries
+    host_size: int = 8  # replicas a host carries (a group's replicas fill hosts in turn)
+    # Free-slot hedging (tasks/policy/hedging.py): a static batch's empty slots carry
+    # copies of requests running on another host's replicas: "off", "paid" or "all".
+    hedge: HedgeMode = "off"
     host_loss_at_s: float | None = None  # one host of the first group dies then
     restart_s: float = 5.0  # and is back this long after
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
@@ -45,6 +49,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:
             raise ValueError("one replica count (>= 1) per model")
+        if self.hedge not in ("off", "paid", "all"):
+            raise ValueError(f"hedge must be off, paid or all, not {self.hedge!r}")
         if self.policy not in ("static", "continuous"):
             raise ValueError(f"policy must be static or continuous, not {self.policy!r}")
         if self.policy == "continuous" and set(self.models) - set(self.costs):

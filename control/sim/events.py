@@ -56,10 +56,12 @@ class SimState:
         self._seq = 0
         self.now = 0.0
         self.requeues: dict[int, int] = {}
+        self.hedges: dict[int, SimReplica] = {}  # request -> the replica running its copy
         self.resent: list[tuple[float, int]] = sorted(resend or [])  # heap: (time, request) sent again
         self.resent_ids.update(j for _, j in self.resent)
         self.handed_off: list[tuple[float, int]] = []
-        counted = ("batches", "batch_rows", "wasted", "requeued", "resent", "moved", "events", "taken_shut")
+        counted: tuple[str, ...] = ("batches", "batch_rows", "wasted", "requeued", "resent", "moved", "events")
+        counted += ("taken_shut", "hedged", "hedge_wins", "hedge_wasted")
         self.stats = dict.fromkeys(counted, 0)
         self.batch_sizes: list[int] = []
         rng = np.random.default_rng(12345)

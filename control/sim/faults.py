@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 
 from control.sim.events import HOST_UP, SWEEP
 from control.sim.gateway import GatewaySide
@@ -40,8 +41,20 @@ class FaultSide(GatewaySide):
             replica.engine = group.new_engine()
             for pending in reversed(held):
                 j = pending.payload
+                if pending.id[0] == "h":  # a copy it ran, lost with it: its request's own run answers it
+                    if self.hedges.get(j) is replica:
+                        del self.hedges[j]
+                    self.stats["hedge_wasted"] += 1
+                    continue
+                running = group.running[self.paid[j]]
+                at = bisect_left(running, (pending.deadline_ms, j, ""))
+                if at < len(running) and running[at][1] == j:
+                    del running[at]
                 if self.state[j] not in (WAITING, RUNNING):
                     continue
+                copy = self.hedges.get(j)
+                if self.state[j] == RUNNING and copy is not None and copy.alive:
+                    continue  # a copy runs on another host: it answers
                 was_running = self.state[j] == RUNNING
                 if self.deadline[j] - self.now >= min_ms and self.requeues.get(j, 0) < 2:
                     self.requeues[j] = self.requeues.get(j, 0) + 1

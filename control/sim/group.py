@@ -37,6 +37,7 @@ class SimReplica:
         "engine",
         "gate_at",
         "asked_at",
+        "host",
     )
 
     def __init__(self, index: int, group: Group, config: CollectorConfig, gate: PullGate) -> None:
@@ -53,6 +54,7 @@ class SimReplica:
         self.engine: SimEngine | None = None  # continuous policy only
         self.gate_at = -1.0  # the reopening time a timer was last set for
         self.asked_at = 0.0  # when its consumer's BRPOP was sent
+        self.host = ""  # the host it runs on (its group sets it)
 
     def held(self) -> list[Pending]:
         """What a sweep finds in its held hash: the batch or the engine's requests, and the buffer."""
@@ -88,8 +90,12 @@ class Group:
             SimReplica(sim.next_replica(), self, self.collector_config, PullGate(config.max_batch, config.pull_lead_ms))
             for _ in range(config.replicas[model])
         ]
-        for replica in self.replicas:
+        for k, replica in enumerate(self.replicas):
             replica.engine = self.new_engine()
+            replica.host = f"{index}.{k // config.host_size}"
+        # Requests running on this group's replicas, by tier, sorted: (deadline, request, host),
+        # what a batch with slots to spare may carry a copy of (tasks/policy/hedging.py).
+        self.running: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self.paid_queue: deque[int] = deque()
         self.free_queue: deque[int] = deque()
         self.num_waiting = [0, 0]  # free, paid: the waiting sets admission counts

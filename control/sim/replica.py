@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+
 from control.core.vocab import PAID
 from control.sim.events import END, GATE, LAUNCH, SimState
 from control.sim.group import Group, SimReplica
 from control.sim.states import EXPIRED, LATE, OK, RUNNING, TIERS, WAITING
+from tasks.policy import hedging
 from tasks.policy.collector import Pending
 
 BRPOP_TIMEOUT_MS = 1000.0  # kombu's Redis transport: a BRPOP returns empty after this long
@@ -117,13 +120,17 @@ class ReplicaSide(SimState):
             group.num_waiting[self.paid[j]] -= 1
             self.state[j] = RUNNING
             self.start_ms[j] = now
+        copies = self._hedges(replica, len(batch))
+        for pending in batch:
+            insort(group.running[self.paid[pending.payload]], (pending.deadline_ms, pending.payload, replica.host))
+        batch += copies
         duration = self._batch_ms(group, batch)
         replica.batch, replica.busy = batch, True
         replica.last_launch, replica.ends_at = now, now + duration
         replica.gate.start(now, group.batch_ms)
         replica.gate.peers(idle=self._peer_idle(replica), launches=self._peer_launches(replica))
         self.stats["batches"] += 1
-        self.stats["batch_rows"] += len(batch)
+        self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
         self._pull(replica)
 
@@ -180,6 +187,30 @@ class ReplicaSide(SimState):
                 break
         self._pull(replica)
 
+    def _hedges(self, replica: SimReplica, num: int) -> list[Pending]:
+        """Copies, for the batch's empty slots, of requests running on another host's replicas."""
+        group, config = replica.group, self.config
+        room = group.collector_config.max_batch - num
+        if config.hedge == "off" or room <= 0 or replica.engine is not None:
+            return []
+        finish = self.now + group.batch_ms
+        found: list[hedging.Candidate] = []
+        for paid in (1, 0):
+            running = group.running[paid]
+            for deadline, j, host in running[bisect_left(running, (finish + config.margin_ms, -1, "")) :]:
+                if len(found) >= 4 * room:
+                    break
+                if host != replica.host and j not in self.hedges and self.state[j] == RUNNING:
+                    found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
+        chosen = hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found)
+        copies = []
+        for c in chosen:
+            j = int(c.key)
+            self.hedges[j] = replica
+            copies.append(Pending(f"h{j}", c.tier, self.t[j], c.deadline_ms, j, self.now))
+        self.stats["hedged"] += len(copies)
+        return copies
+
     def _batch_ms(self, group: Group, batch: list[Pending]) -> float:
         if group.cost is None:
             return self.config.batch_ms + self.config.batch_jitter_ms * self._random()
@@ -199,13 +230,28 @@ class ReplicaSide(SimState):
         ]
 
     def _end(self, replica: SimReplica) -> None:
-        now, state = self.now, self.state
+        now, state, group = self.now, self.state, replica.group
         for pending in replica.batch:
             j = pending.payload
+            if pending.id[0] == "h":  # a copy: it answers if its request is still unanswered
+                self.hedges.pop(j, None)
+                if state[j] in (RUNNING, WAITING):
+                    if state[j] == WAITING:  # its own run was lost and it waits to run again
+                        group.num_waiting[self.paid[j]] -= 1
+                    state[j] = OK if now <= pending.deadline_ms else LATE
+                    self.end_ms[j] = now
+                    self.stats["hedge_wins"] += 1
+                else:
+                    self.stats["hedge_wasted"] += 1
+                continue
+            running = group.running[self.paid[j]]
+            at = bisect_left(running, (pending.deadline_ms, j, ""))
+            if at < len(running) and running[at][1] == j:
+                del running[at]
             if state[j] == RUNNING:
                 state[j] = OK if now <= pending.deadline_ms else LATE
                 self.end_ms[j] = now
-        num = len(replica.batch)
+        num = sum(pending.id[0] != "h" for pending in replica.batch)  # copies do not count as its load
         self.batch_sizes.append(num)
         replica.batch, replica.busy = [], False
         replica.gate.finish()

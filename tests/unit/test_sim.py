@@ -86,6 +86,47 @@ def test_host_loss_with_a_600_ms_budget_answers_what_it_held_504() -> None:
     assert 64 <= result.counts()["expired_504"]
 
 
+def test_free_slot_copies_on_another_host_answer_what_a_lost_host_ran() -> None:
+    """Hedging: at 45% load half the slots are empty; copies of the requests running on the
+    other host answer those the lost host held, paid ones first. Without a loss a copy only
+    ever finishes after its request's own run: wasted, and nothing else changes."""
+    workload = make_workload(0.45 * 4 * 16 / 0.25, 20, paid_fraction=0.3, seed=1)
+    paid = workload.paid.astype(bool)
+    runs = {
+        mode: simulate(
+            make_config(4, max_batch=16, host_size=2, host_loss_at_s=8.0, hedge=mode, budget_ms=600.0), workload
+        )
+        for mode in ("off", "paid", "all")
+    }
+    failed = {mode: sum(n for k, n in r.counts().items() if k != "ok") for mode, r in runs.items()}
+    assert failed["all"] < failed["paid"] < failed["off"], failed
+    # Paid ones the loss caught: a third as many fail (the rest were taken and not started)
+    paid_504 = {mode: r.counts(paid).get("expired_504", 0) for mode, r in runs.items()}
+    assert paid_504["off"] > 0 and 3 * paid_504["paid"] <= paid_504["off"], paid_504
+    assert runs["all"].stats["hedge_wins"] > runs["paid"].stats["hedge_wins"] > 0
+    for r in runs.values():
+        assert r.counts().get("lost", 0) == 0
+        assert r.stats["hedged"] == r.stats["hedge_wins"] + r.stats["hedge_wasted"]
+    calm = {mode: simulate(make_config(4, max_batch=16, host_size=2, hedge=mode), workload) for mode in ("off", "all")}
+    assert calm["all"].stats["hedge_wins"] == 0 and calm["all"].stats["hedged"] > 0
+    assert np.array_equal(calm["all"].state, calm["off"].state)
+
+
+def test_hedging_picks_another_hosts_requests_that_can_still_finish_paid_first() -> None:
+    from tasks.policy.hedging import Candidate, pick
+
+    cands = [
+        Candidate("free-early", "free", 900.0, "b"),
+        Candidate("paid-late", "paid", 1000.0, "b"),
+        Candidate("paid-early", "paid", 800.0, "b"),
+        Candidate("paid-here", "paid", 900.0, "a"),  # this host's own: lost with it
+        Candidate("paid-too-late", "paid", 760.0, "b"),  # would be answered past its deadline
+    ]
+    assert [c.key for c in pick("all", 3, "a", 750.0, 15.0, cands)] == ["paid-early", "paid-late", "free-early"]
+    assert [c.key for c in pick("paid", 3, "a", 750.0, 15.0, cands)] == ["paid-early", "paid-late"]
+    assert pick("off", 3, "a", 750.0, 15.0, cands) == [] and pick("all", 0, "a", 750.0, 15.0, cands) == []
+
+
 def test_superseded_requests_cost_no_batch_while_queued() -> None:
     result = simulate(make_config(2), make_workload(300, 20, profile="typing", seed=8))
     cancelled = result.state == CANCELLED
