@@ -27,6 +27,7 @@ from control.sim.result import SimResult
 from control.sim.simulate import simulate
 from control.sim.split import simulate_split, used_processes
 from control.sim.workload import make_workload
+from tasks.policy.hedging import HEDGE_MODES
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Inputs:
     processes: int = 0  # the final run's groups run in this many processes (0: one per core)
     broker_core_rps: float = 12_500.0  # requests a second one broker core carries (`keybatch bench broker`)
     broker_utilization: float = 0.5  # the share of a broker's core to plan on
+    host_loss: bool = False  # also run a host's loss at the recommended counts, hedging off, paid and all
+    host_size: int = 8  # replicas a host carries
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
@@ -295,6 +298,45 @@ def plan(inputs: Inputs) -> dict[str, Any]:
     out["p50_ms"] = run.summary.get("p50_ms")
     out["p99_ms"] = run.summary.get("p99_ms")
     out["simulated"] = _simulated(inputs, run, wall, cpu)
+    if inputs.host_loss:
+        out["host_loss"] = [
+            host_loss(inputs, list(inputs.shares), counts, inputs.rps / inputs.regions, "every region up"),
+            host_loss(inputs, list(inputs.shares), counts, inputs.rps / inputs.surviving, "one region lost"),
+        ]
+    return out
+
+
+def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: float, why: str) -> dict[str, Any]:
+    """A region at the recommended counts and `region_rps` loses a host of `host_size`
+    replicas of its first model halfway through, back 5 s later: what its users see with
+    each hedging mode (tasks/policy/hedging.py), on the same arrivals."""
+    workload = make_workload(
+        region_rps,
+        inputs.sim_seconds,
+        profile=inputs.profile,
+        paid_fraction=inputs.paid_fraction,
+        model_shares=[inputs.shares[n] for n in models],
+        seed=inputs.seed,
+    )
+    paid = workload.paid.astype(bool)
+    out: dict[str, Any] = {
+        "scope": f"a region at {region_rps:.0f} req/s ({why})",
+        "host": f"{inputs.host_size} replicas of {models[0]}",
+        "lost_at_s": inputs.sim_seconds / 2,
+        "requests": len(workload),
+    }
+    for mode in HEDGE_MODES:
+        config = sim_config(inputs, counts, models)
+        config.host_loss_at_s, config.host_size, config.hedge = inputs.sim_seconds / 2, inputs.host_size, mode
+        result = simulate_split(config, workload, used_processes(config, inputs.processes or None))
+        outcomes = result.counts()
+        out[mode] = {
+            "not_200": len(workload) - outcomes.get("ok", 0),
+            "outcomes": outcomes,
+            "paid_outcomes": result.counts(paid),
+            "p99_ms": result.summary(inputs.network_ms).get("p99_ms"),
+            **{key: result.stats.get(key, 0) for key in ("hedged", "hedge_wins", "hedge_wasted")},
+        }
     return out
 
 

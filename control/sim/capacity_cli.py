@@ -50,6 +50,12 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
         help="requests a second one broker core carries (`keybatch bench broker`, replayed one by one)",
     )
     parser.add_argument("--broker-utilization", type=float, default=0.5, help="the share of a broker core to plan on")
+    parser.add_argument(
+        "--host-loss",
+        action="store_true",
+        help="also lose a host halfway through a surviving region's run: errors with hedging off, paid and all",
+    )
+    parser.add_argument("--host-size", type=int, default=8, help="replicas a host carries (--host-loss)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
@@ -81,6 +87,8 @@ def run_capacity(args: argparse.Namespace) -> int:
             processes=args.processes,
             broker_core_rps=args.broker_core_rps,
             broker_utilization=args.broker_utilization,
+            host_loss=args.host_loss,
+            host_size=args.host_size,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)
@@ -148,6 +156,16 @@ def _print(out: dict[str, Any]) -> None:
     console.print(
         f"simulation: {sim['requests']:,} requests in {sim['wall_s']} s of wall time ({sim['cpu_s']} s of CPU)"
     )
+    for loss in out.get("host_loss", []):
+        table = Table(title=f"A host of {loss['host']} lost at {loss['lost_at_s']:.0f} s: {loss['scope']}")
+        for col in ("hedging", "not 200", "of them paid", "p99 ms", "copies", "copies that answered"):
+            table.add_column(col, justify="right")
+        for mode in ("off", "paid", "all"):
+            m = loss[mode]
+            paid_failed = sum(n for k, n in m["paid_outcomes"].items() if k != "ok")
+            row = [f"{m['not_200']:,}", f"{paid_failed:,}", str(m["p99_ms"]), f"{m['hedged']:,}", str(m["hedge_wins"])]
+            table.add_row(mode, *row)
+        console.print(table)
 
 
 def _cells(s: dict[str, Any]) -> list[str]:

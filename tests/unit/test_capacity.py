@@ -50,6 +50,16 @@ def test_search_finds_a_count_that_meets_the_slo_with_a_region_lost() -> None:
     assert all(t["p99_ms"] is None or t["p99_ms"] > 600 or t["answered_200_share"] < 0.999 for t in fewer)
 
 
+def test_a_host_lost_at_the_recommended_count_costs_fewer_answers_with_hedging() -> None:
+    from control.sim.capacity import host_loss
+
+    inputs = Inputs(rps=6_000, regions=3, models={"m": 1.0}, sim_seconds=10, host_size=2)
+    loss = host_loss(inputs, ["m"], [16], 2_000.0, "every region up")  # half the capacity used
+    assert loss["host"] == "2 replicas of m" and loss["lost_at_s"] == 5.0
+    assert loss["off"]["not_200"] > loss["all"]["not_200"], loss
+    assert loss["off"]["hedged"] == 0 < loss["all"]["hedge_wins"] <= loss["all"]["hedged"]
+
+
 def test_the_engine_curve_makes_a_batch_cost_its_longest_output() -> None:
     cost = CostModel.from_file(ROOT / "docs/bench/engine-small.json")
     short = cost.batch_ms([300] * 64, [4] * 64)
