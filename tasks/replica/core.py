@@ -163,8 +163,9 @@ class ReplicaCore:
 
     def renew_lease_if_due(self) -> None:
         """Called by the engine between steps: a batch longer than the lease keeps it.
-        A broker that is away is not the engine's failure: the batch goes on."""
-        if self.lease.is_due() and not self.doubt.skips():
+        A broker that is away is not the engine's failure: the batch goes on, and once
+        the broker failed twice in a row the renewals leave it alone for a while too."""
+        if self.lease.is_due() and not self.doubt.is_sure():
             try:
                 self.broker.renew_lease(self.lease_ms())
             except BrokerError:

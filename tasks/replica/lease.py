@@ -50,6 +50,11 @@ class BrokerDoubt:
     def skips(self) -> bool:
         return monotonic_ms() < self.until_ms
 
+    def is_sure(self) -> bool:
+        """Skipping after more than one failure in a row: one late answer on a busy host
+        is not an outage (a lease renewal skipped for it could let the lease lapse)."""
+        return self.skips() and self.window_ms > self.first_ms
+
     def failed(self) -> None:
         self.failed_ms = monotonic_ms()
         self.window_ms = min(self.most_ms, 2 * self.window_ms) if self.window_ms else self.first_ms
