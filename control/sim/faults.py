@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 
 from control.sim.events import HOST_UP, SWEEP
 from control.sim.gateway import GatewaySide
-from control.sim.group import Group, SimReplica
+from control.sim.group import Group, SimReplica, is_copy
 from control.sim.states import EXPIRED, NEW, RUNNING, WAITING
 from tasks.policy.collector import Collector
 from tasks.policy.pullgate import PullGate
@@ -41,15 +40,12 @@ class FaultSide(GatewaySide):
             replica.engine = group.new_engine()
             for pending in reversed(held):
                 j = pending.payload
-                if pending.id[0] == "h":  # a copy it ran, lost with it: its request's own run answers it
+                if is_copy(pending):  # a copy it ran, lost with it: its request's own run answers it
                     if self.hedges.get(j) is replica:
                         del self.hedges[j]
                     self.stats["hedge_wasted"] += 1
                     continue
-                running = group.running[self.paid[j]]
-                at = bisect_left(running, (pending.deadline_ms, j, ""))
-                if at < len(running) and running[at][1] == j:
-                    del running[at]
+                group.stopped(pending, self.paid[j])
                 if self.state[j] not in (WAITING, RUNNING):
                     continue
                 copy = self.hedges.get(j)

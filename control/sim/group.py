@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
 from typing import Protocol
 
@@ -14,6 +15,12 @@ from control.sim.cost import CONTEXT_TOKENS, MEAN_OUTPUT_TOKENS
 from tasks.policy.collector import Collector, CollectorConfig, Pending
 from tasks.policy.pullgate import PullGate
 from tasks.policy.scheduler import ContinuousScheduler, SchedulerConfig
+
+COPY = "h"  # the first character of a hedge copy's id (`Pending.id`); its payload is its request's
+
+
+def is_copy(pending: Pending) -> bool:
+    return pending.id[0] == COPY
 
 
 class Numbering(Protocol):
@@ -93,8 +100,10 @@ class Group:
         for k, replica in enumerate(self.replicas):
             replica.engine = self.new_engine()
             replica.host = f"{index}.{k // config.host_size}"
-        # Requests running on this group's replicas, by tier, sorted: (deadline, request, host),
-        # what a batch with slots to spare may carry a copy of (tasks/policy/hedging.py).
+        # Requests running on this group's replicas, free and paid, sorted: (deadline, request,
+        # host), what a batch with slots to spare may carry a copy of (tasks/policy/hedging.py);
+        # kept only where hedging is on.
+        self.hedging = config.hedge != "off"
         self.running: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self.paid_queue: deque[int] = deque()
         self.free_queue: deque[int] = deque()
@@ -112,6 +121,18 @@ class Group:
         if not self.continuous or self.cost is None:
             return None
         return SimEngine(ContinuousScheduler(self.scheduler_config), self.cost)
+
+    def started(self, pending: Pending, paid: int, host: str) -> None:
+        if self.hedging:
+            insort(self.running[paid], (pending.deadline_ms, pending.payload, host))
+
+    def stopped(self, pending: Pending, paid: int) -> None:
+        """It ended or its replica was lost: no longer a request to copy."""
+        if self.hedging:
+            running = self.running[paid]
+            at = bisect_left(running, (pending.deadline_ms, pending.payload, ""))
+            if at < len(running) and running[at][1] == pending.payload:
+                del running[at]
 
     def capacity(self) -> Capacity:
         return Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms)

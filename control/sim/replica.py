@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 
 from control.core.vocab import PAID
 from control.sim.events import END, GATE, LAUNCH, SimState
-from control.sim.group import Group, SimReplica
+from control.sim.group import COPY, Group, SimReplica, is_copy
 from control.sim.states import EXPIRED, LATE, OK, RUNNING, TIERS, WAITING
 from tasks.policy import hedging
 from tasks.policy.collector import Pending
@@ -122,7 +122,7 @@ class ReplicaSide(SimState):
             self.start_ms[j] = now
         copies = self._hedges(replica, len(batch))
         for pending in batch:
-            insort(group.running[self.paid[pending.payload]], (pending.deadline_ms, pending.payload, replica.host))
+            group.started(pending, self.paid[pending.payload], replica.host)
         batch += copies
         duration = self._batch_ms(group, batch)
         replica.batch, replica.busy = batch, True
@@ -207,7 +207,7 @@ class ReplicaSide(SimState):
         for c in chosen:
             j = int(c.key)
             self.hedges[j] = replica
-            copies.append(Pending(f"h{j}", c.tier, self.t[j], c.deadline_ms, j, self.now))
+            copies.append(Pending(f"{COPY}{j}", c.tier, self.t[j], c.deadline_ms, j, self.now))
         self.stats["hedged"] += len(copies)
         return copies
 
@@ -233,7 +233,7 @@ class ReplicaSide(SimState):
         now, state, group = self.now, self.state, replica.group
         for pending in replica.batch:
             j = pending.payload
-            if pending.id[0] == "h":  # a copy: it answers if its request is still unanswered
+            if is_copy(pending):  # it answers if its request is still unanswered
                 self.hedges.pop(j, None)
                 if state[j] in (RUNNING, WAITING):
                     if state[j] == WAITING:  # its own run was lost and it waits to run again
@@ -244,14 +244,11 @@ class ReplicaSide(SimState):
                 else:
                     self.stats["hedge_wasted"] += 1
                 continue
-            running = group.running[self.paid[j]]
-            at = bisect_left(running, (pending.deadline_ms, j, ""))
-            if at < len(running) and running[at][1] == j:
-                del running[at]
+            group.stopped(pending, self.paid[j])
             if state[j] == RUNNING:
                 state[j] = OK if now <= pending.deadline_ms else LATE
                 self.end_ms[j] = now
-        num = sum(pending.id[0] != "h" for pending in replica.batch)  # copies do not count as its load
+        num = sum(not is_copy(pending) for pending in replica.batch)  # copies do not count as its load
         self.batch_sizes.append(num)
         replica.batch, replica.busy = [], False
         replica.gate.finish()
