@@ -67,7 +67,6 @@ class Waiter:
     behind: bool = False  # it waits behind other tenants' requests of its tier (their list)
     cell: int = 0  # the cell it waits in
     session: str | None = None  # its tenant-scoped session, if it named one
-    resend: bool = False  # its cell's broker lost it (restarted empty): to be enqueued again
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.job.id
@@ -113,6 +112,7 @@ class Gateway:
         self.metrics = Metrics(self.fleet)
         self.limits = Limits(settings.max_queue_paid, settings.max_queue_free, settings.deadline_margin_ms)
         self.waiters: dict[str, list[Waiter]] = {}  # by attempt (unique across cells)
+        self._lost: dict[int, list[Waiter]] = {}  # by cell: requests its broker lost, not yet enqueued again
         self._early: dict[str, tuple[Item, float]] = {}  # answers kept for joins not yet registered
         # Admissions with a client's id between their script call and their registration, by key.
         self._joining: dict[str, int] = {}
@@ -567,16 +567,16 @@ class Gateway:
         health loop saw, or one seen): this process's requests waiting in it are nowhere
         now, and go in again, to another cell or to this one."""
         lost = [w for w in self._waiting_in(cell) if w.enqueued and w.attempt == w.job.id]
-        for waiter in lost:
-            waiter.resend = True
+        self._lost[cell.index] = lost
         log.warning("cell %d's broker restarted empty: %d waiting requests to send again", cell.index, len(lost))
 
     def _resend(self, cell: Cell) -> None:
         """Enqueue again what the cell's broker lost, each round until it is taken (a
-        restarted broker knows no replica until they beat again)."""
-        for waiter in self._waiting_in(cell):
-            if waiter.resend and self._move(waiter, here_too=True):
-                waiter.resend = False
+        restarted broker knows no replica until they beat again), answered or moved."""
+        lost = self._lost.get(cell.index)
+        if lost:
+            waiting = [w for w in lost if w.item is None and w.cell == cell.index]
+            self._lost[cell.index] = [w for w in waiting if not self._move(w, here_too=True)]
 
     def _release_orphans(self, cell: Cell) -> None:
         """Requests of a model that has no live replica left in their cell go to another

@@ -26,7 +26,7 @@ from control.sim.cost import CONTEXT_TOKENS, MEAN_OUTPUT_TOKENS, CostModel
 from control.sim.result import SimResult
 from control.sim.simulate import simulate
 from control.sim.split import simulate_split, used_processes
-from control.sim.workload import make_workload
+from control.sim.workload import Workload, make_workload
 from tasks.policy.hedging import HEDGE_MODES
 
 
@@ -310,14 +310,7 @@ def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: 
     """A region at the recommended counts and `region_rps` loses a host of `host_size`
     replicas of its first model halfway through, back 5 s later: what its users see with
     each hedging mode (tasks/policy/hedging.py), on the same arrivals."""
-    workload = make_workload(
-        region_rps,
-        inputs.sim_seconds,
-        profile=inputs.profile,
-        paid_fraction=inputs.paid_fraction,
-        model_shares=[inputs.shares[n] for n in models],
-        seed=inputs.seed,
-    )
+    workload = _workload(inputs, models, region_rps)
     paid = workload.paid.astype(bool)
     out: dict[str, Any] = {
         "scope": f"a region at {region_rps:.0f} req/s ({why})",
@@ -401,18 +394,23 @@ def _final_run(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun
     return _run_cells(inputs, models, counts)
 
 
-def _run_fleet(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
-    """Every region at its third of the peak, the first lost a third of the way in."""
-    loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
-    workload = make_workload(
-        inputs.rps,
+def _workload(inputs: Inputs, models: list[str], rps: float, regions: int = 1) -> Workload:
+    """The final runs' arrivals: `sim_seconds` at `rps`, split over the models by share."""
+    return make_workload(
+        rps,
         inputs.sim_seconds,
         profile=inputs.profile,
         paid_fraction=inputs.paid_fraction,
         model_shares=[inputs.shares[n] for n in models],
-        regions=inputs.regions,
+        regions=regions,
         seed=inputs.seed,
     )
+
+
+def _run_fleet(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
+    """Every region at its third of the peak, the first lost a third of the way in."""
+    loss_at = inputs.sim_seconds / 3 if inputs.regions > 1 else None
+    workload = _workload(inputs, models, inputs.rps, regions=inputs.regions)
     config = sim_config(inputs, counts, models, regions=inputs.regions)
     config.region_loss_at_s = loss_at
     processes = used_processes(config, inputs.processes or None)
@@ -431,14 +429,7 @@ def _run_fleet(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun
 def _run_region(inputs: Inputs, models: list[str], counts: list[int]) -> FinalRun:
     """One surviving region, every model's queue in one run."""
     region_rps = inputs.rps / inputs.surviving
-    workload = make_workload(
-        region_rps,
-        inputs.sim_seconds,
-        profile=inputs.profile,
-        paid_fraction=inputs.paid_fraction,
-        model_shares=[inputs.shares[n] for n in models],
-        seed=inputs.seed,
-    )
+    workload = _workload(inputs, models, region_rps)
     config = sim_config(inputs, counts, models)
     processes = used_processes(config, inputs.processes or None)
     result = simulate_split(config, workload, processes)
