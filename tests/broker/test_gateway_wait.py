@@ -3,8 +3,7 @@ real Valkey (the gateway's cancel there marks the attempt with the reason)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import gevent
 import gevent.event
@@ -21,6 +20,7 @@ from control.core.settings import Settings
 from control.fleet.valkey import EmbeddedBroker
 from control.policy.cells import cell_order
 from tasks.celery.app import make_celery
+from tests.support.waiting import until
 
 ATTEMPT = "a" * 32
 JOB = {"key": "t:b", "model": "m", "prompt": "x", "received_ms": 0}
@@ -89,13 +89,6 @@ def _register(state: redis.Redis, name: str = "r1") -> None:
     state.set(keys.lease_key(name), "1", px=60_000)
 
 
-def _until(check: Callable[[], object], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "not within the bound"
-        time.sleep(0.01)
-
-
 def test_a_request_its_broker_lost_by_restarting_empty_is_enqueued_again(broker: str) -> None:
     # A restart between two of the health loop's probes is never seen as an outage: only
     # the keyspace's epoch, which the sweep names, tells the gateway its requests are gone.
@@ -109,10 +102,10 @@ def test_a_request_its_broker_lost_by_restarting_empty_is_enqueued_again(broker:
     try:
         queue = keys.lane_keys("m", job.tier).queue
         assert state.llen(queue) == 1
-        _until(lambda: gateway.cells[0].epoch)
+        assert until(lambda: gateway.cells[0].epoch, 5.0)
         state.flushall()
         _register(state)
-        _until(lambda: state.llen(queue) == 1)
+        assert until(lambda: state.llen(queue) == 1, 5.0)
         assert state.exists(keys.owner_key(job.key)) and waiter.item is None
         assert gateway._lost[0] == []  # nothing left to send again
     finally:  # its health loop runs on: nothing of this gateway's may wait in the next test's broker

@@ -17,18 +17,24 @@ from control.cli.args import CHAOS_SCENARIOS
 from tests.support.waiting import drop_kept_logs
 
 
-def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: Path) -> None:
-    assert set(FAULTS) == set(CHAOS_SCENARIOS)  # every scenario the CLI offers has a fault
+def _chaos(tmp_path: Path, scenario: str, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """`keybatch chaos SCENARIO ARGS --fault-at 2` in a clean environment: the command's
+    result and its report."""
     out = tmp_path / "chaos.json"
-    cmd = [sys.executable, "-m", "control", "chaos", "replica-kill", "--replicas", "2", "--load", "0.1"]
-    cmd += ["--duration", "6", "--fault-at", "2", "--json", str(out)]
+    cmd = [sys.executable, "-m", "control", "chaos", scenario, *args, "--fault-at", "2", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYBATCH_")}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     # Exit 1 is a finding, not a broken command (a killed replica stops all of `up` until
     # the supervisor restarts replicas); 2 would be a run that could not be set up.
     assert done.returncode in (0, 1), done.stderr[-2000:]
     report = json.loads(out.read_text())
     drop_kept_logs(done.stderr)
+    return done, report
+
+
+def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: Path) -> None:
+    assert set(FAULTS) == set(CHAOS_SCENARIOS)  # every scenario the CLI offers has a fault
+    done, report = _chaos(tmp_path, "replica-kill", "--replicas", "2", "--load", "0.1", "--duration", "6")
     assert "logs" not in report  # this machine's paths stay out of a stored report
 
     assert report["sent"] > 0
@@ -54,14 +60,9 @@ def test_replica_kill_reports_every_figure_and_leaves_nothing_running(tmp_path: 
 
 
 def test_host_loss_stops_every_replica_of_one_simulated_host_at_once_then_kills_them(tmp_path: Path) -> None:
-    out = tmp_path / "host.json"
-    cmd = [sys.executable, "-m", "control", "chaos", "host-loss", "--replicas", "4", "--replicas-per-host", "2"]
-    cmd += ["--load", "0.1", "--duration", "9", "--fault-at", "2", "--json", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYBATCH_")}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode in (0, 1), done.stderr[-2000:]
-    report = json.loads(out.read_text())
-    drop_kept_logs(done.stderr)
+    _done, report = _chaos(
+        tmp_path, "host-loss", "--replicas", "4", "--replicas-per-host", "2", "--load", "0.1", "--duration", "9"
+    )
     [fault] = report["faults"]
     assert fault["action"].startswith("SIGSTOP host ") and fault["action"].endswith("then SIGKILL them"), fault
     assert len(fault["targets"]) == 2, fault
