@@ -294,6 +294,7 @@ def _completion(request_id: str, job: p.Job, res: p.Result, now: float, cell: in
             "backend": res.backend,
             "tier": job.tier,
             "cell": cell,
+            "hedged": res.hedged,
         },
     }
 

@@ -217,8 +217,24 @@ class _FleetCollector(Collector):
             "Model time spent on requests whose client had gone (each request's share of its batches or steps)",
             labels=["replica", "model"],
         )
+        hedged = CounterMetricFamily(
+            "keybatch_hedged",
+            "Second copies (hedges) run in a static batch's empty slots, of requests running on another host",
+            labels=["replica", "model"],
+        )
+        hedge_wins = CounterMetricFamily(
+            "keybatch_hedge_wins", "Second copies that answered their request first", labels=["replica", "model"]
+        )
+        hedge_wasted = CounterMetricFamily(
+            "keybatch_hedge_wasted_slots",
+            "Second copies whose request was answered first (or had gone): slots that cost nothing more",
+            labels=["replica", "model"],
+        )
         for rep in self.fleet.replicas:
             labels = [rep.name, rep.model]
+            hedged.add_metric(labels, rep.hedged)
+            hedge_wins.add_metric(labels, rep.hedge_wins)
+            hedge_wasted.add_metric(labels, rep.hedge_wasted)
             ready.add_metric(labels, float(rep.is_ready))
             batches.add_metric(labels, rep.num_batches)
             served.add_metric(labels, rep.num_requests)
@@ -235,6 +251,7 @@ class _FleetCollector(Collector):
             wasted_slots.add_metric(labels, rep.wasted_slots)
             wasted_seconds.add_metric(labels, rep.wasted_ms / 1000)
         yield from (running, batch_now, duration, utilization, duty, cycle, wasted_slots, wasted_seconds)
+        yield from (hedged, hedge_wins, hedge_wasted)
         yield from _queue_families(self.fleet)
         yield from _engine_families(self.fleet)
         wasted = CounterMetricFamily(

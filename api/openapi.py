@@ -257,8 +257,13 @@ def _schemas() -> dict[str, Schema]:
                         "replica": string,
                         "backend": string,
                         "tier": {"enum": list(TIERS)},
+                        "cell": integer,
+                        "hedged": {"type": "boolean"},
                     },
-                    description="keybatch's own timings (ms), batch size and replica.",
+                    description=(
+                        "keybatch's own timings (ms), batch size and replica, the cell that carried the "
+                        "request, and whether a second copy run in another batch's empty slot answered it."
+                    ),
                 ),
             }
         ),

@@ -125,7 +125,7 @@ class Dashboard(App[None]):
         queues = self.query_one("#queues", DataTable)
         queues.add_columns("model", "tier", "queued", "oldest ms", "in/s", "out/s", "p50 ms", "p99 ms")
         replicas = self.query_one("#replicas", DataTable)
-        replicas.add_columns("replica", "model", "state", "fill", "duty", "held", "hb ms", "p99 ms")
+        replicas.add_columns("replica", "model", "state", "fill", "duty", "held", "hb ms", "p99 ms", "hedges/won")
         self.poll()
         self.set_interval(self.poll_s, self.poll)
         if self.exit_after_s is not None:
@@ -227,6 +227,7 @@ class Dashboard(App[None]):
                 str(r.num_held),
                 f"{r.heartbeat_age_ms:.0f}",
                 _ms(r.batch_p99_ms or None),
+                f"{r.hedged}/{r.hedge_wins}",
                 key=r.name,
             )
         if selected is not None and selected in table.rows:

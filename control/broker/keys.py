@@ -35,6 +35,7 @@ def key(*parts: object) -> str:
 REPLICAS_KEY = key("replicas")  # names of the replicas that published a registry entry
 HOLDERS_KEY = key("holders")  # replicas that may hold requests (control/broker/scripts.py)
 WASTED_KEY = key("stats", "wasted")  # results that found their request answered or gone
+HEDGE_WASTED_KEY = key("stats", "hedge_wasted")  # second copies (hedges) whose request was answered first
 DEATHS_KEY = key("deaths")  # how many replicas were ever swept: gateways then run RESCUE
 SWEEPING_KEY = key("sweeping")  # held by the gateway process that sweeps now (one a cell at a time)
 FLEET_KEY = key("fleet")  # the registry as the last sweep read it, for every gateway in one GET
@@ -112,6 +113,18 @@ def requeued_key(attempt: str) -> str:
     return key("requeued", attempt)
 
 
+def running_key(model: str) -> str:
+    """Sorted set of the model's requests running now, with the host of each, scored by
+    deadline: what a batch with slots to spare may carry a second copy of (free-slot
+    hedging, control/broker/lua.py's `HEDGE_LUA`)."""
+    return key("running", model)
+
+
+def copy_key(attempt: str) -> str:
+    """Which replica runs the second copy of an attempt (a hedge)."""
+    return key("copy", attempt)
+
+
 def session_key(session_id: str) -> str:
     return key("session", session_id)
 
@@ -177,6 +190,8 @@ LUA_KEYS: dict[str, str] = {
     "replica": _stem(replica_key),
     "idle": _stem(idle_key),
     "launch": _stem(launch_key),
+    "running": _stem(running_key),
+    "copy": _stem(copy_key),
     "bucket": key("bucket", ""),  # + tier ':' tenant: `bucket_key`
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,

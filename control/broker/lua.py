@@ -262,8 +262,14 @@ local function sweep(holder, min_ms)
       local _, _, who, att, _, message = owner_parts(owner)
       if message == '' then message = recorded end
       local claim = redis.call('GET', K.claim .. id)
+      local copy = redis.call('GET', K.copy .. id)
       if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
         -- answered or retried under another attempt, or running on a live replica
+      elseif copy and copy ~= holder and lease_alive(copy) then
+        -- its second copy runs on a live replica, and answers: that replica holds it now,
+        -- so that its sweep re-queues the request if it dies too
+        redis.call('HSET', K.held .. copy, id, held[i + 1])
+        redis.call('SET', K.claim .. id, copy, 'PX', math.floor(math.max(1, deadline - now) + 1000))
       elseif message ~= '' and deadline - now >= min_ms and redis.call('INCR', K.requeued .. id) <= C.max_requeues then
         redis.call('PEXPIRE', K.requeued .. id, deadline - now + 1000)
         redis.call('DEL', K.claim .. id)
@@ -457,7 +463,8 @@ return out
 """
 )
 
-# ARGV: replica, then per item: request key, attempt, keep ms, kind, item JSON, fallback gateway.
+# ARGV: replica, then per item: request key, attempt, keep ms, kind, item JSON, fallback gateway;
+# KEYS[2], if given, counts the wasted results in place of `K.wasted` (a batch's hedges).
 # Returns {delivered, wasted}. An answer goes to the gateway that owns the request now;
 # a drop notice whose request has no owner (a cancel took it) still reaches the gateway
 # that admitted it, for its counters; any other item without an owner is wasted work.
@@ -503,7 +510,7 @@ end
 for from = 1, #gone, 500 do redis.call('DEL', unpack(gone, from, math.min(from + 499, #gone))) end
 if #ids > 0 then call_many('HDEL', K.held .. holder, ids) end
 notify_all(out, order)
-if wasted > 0 then redis.call('INCRBY', K.wasted, wasted) end
+if wasted > 0 then redis.call('INCRBY', KEYS[2] or K.wasted, wasted) end
 return {delivered, wasted}
 """
 )
@@ -706,6 +713,46 @@ return out
 """
 )
 
+# Free-slot hedging (tasks/policy/hedging.py): the model's running set holds one member per
+# request running now, "attempt|host|tier|key", scored by its deadline. A replica adds its
+# batch's requests once it has claimed them, and takes second copies for its batch's empty
+# slots: each chosen member leaves the set (one copy at most) and, while its request waits
+# under that attempt, its copy is recorded (`K.copy`: the sweep leaves the request to the
+# copy's replica when the first one dies) and its queue message returned. Entries past
+# their deadline leave the set here, and a replica takes its own out when it answers them.
+# ARGV: model, replica, the number of new members, then per new member its deadline and
+# itself, then the members chosen to copy. Returns the copies' queue messages.
+HEDGE_LUA = (
+    LUA_LIB
+    + """
+local running, me, now = K.running .. ARGV[1], ARGV[2], now_ms()
+redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
+local n = tonumber(ARGV[3])
+if n > 0 then call_many('ZADD', running, {unpack(ARGV, 4, 3 + 2 * n)}) end
+local out = {}
+for i = 4 + 2 * n, #ARGV do
+  local member = ARGV[i]
+  local deadline = tonumber(redis.call('ZSCORE', running, member))
+  local a = string.find(member, '|', 1, true)
+  local b = a and string.find(member, '|', a + 1, true)
+  local c = b and string.find(member, '|', b + 1, true)
+  if deadline and c then
+    redis.call('ZREM', running, member)
+    local att, key = member:sub(1, a - 1), member:sub(c + 1)
+    local owner = get_owner(key)
+    if owner and redis.call('EXISTS', K.cancel .. att) == 0 then
+      local _, _, _, owner_att, _, message = owner_parts(owner)
+      if owner_att == att and message ~= '' then
+        redis.call('SET', K.copy .. att, me, 'PX', math.floor(math.max(1, deadline - now) + C.owner_slack_ms))
+        out[#out + 1] = message
+      end
+    end
+  end
+end
+return out
+"""
+)
+
 # Every script by its name (the broker bench names EVALSHA calls by these).
 SOURCES = {
     "ADMIT": ADMIT_LUA,
@@ -718,4 +765,5 @@ SOURCES = {
     "SWEEP_DEAD": SWEEP_DEAD_LUA,
     "RESCUE": RESCUE_LUA,
     "TAKE_QUEUED": TAKE_QUEUED_LUA,
+    "HEDGE": HEDGE_LUA,
 }

@@ -102,6 +102,29 @@ def parse_held(raw: bytes | str) -> Held:
     return Held(float(deadline), queue, waiting, key, message)
 
 
+# -- a running request, as the model's running set holds it (free-slot hedging) ---------
+
+
+@dataclass(frozen=True)
+class Running:
+    attempt: str
+    host: str
+    tier: str
+    key: str
+
+
+def pack_running(attempt: str, host: str, tier: str, key: str) -> str:
+    """The member HEDGE_LUA parses: the key last, as it may hold anything; a host never
+    holds a '|'."""
+    return f"{attempt}|{host.replace('|', '_')}|{tier}|{key}"
+
+
+def parse_running(raw: bytes | str) -> Running:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    attempt, host, tier, key = text.split("|", 3)
+    return Running(attempt, host, tier, key)
+
+
 # -- the replica's registry entry -------------------------------------------------------
 
 ENGINE_PREFIX = "engine_"  # entry fields that carry the engine's `stats()`
@@ -184,6 +207,9 @@ class ReplicaInfo:
     wasted_ms: float = 0.0  # their share of the model's time
     taken_shut: int = 0  # requests taken by a pull sent before its gate shut
     handed_back: int = 0  # of those, put back at the front of the queue
+    hedged: int = 0  # second copies (hedges) run in its batches' empty slots
+    hedge_wins: int = 0  # of those, the ones that answered first
+    hedge_wasted: int = 0  # of those, the ones whose request was answered already (or gone)
     cell: int = 0  # the cell (broker) whose registry it was read from
 
     @property
@@ -231,6 +257,9 @@ def parse_replica_entry(
         wasted_ms=_number(f.get("wasted_ms", "0")),
         taken_shut=int(_number(f.get("taken_shut", "0"))),
         handed_back=int(_number(f.get("handed_back", "0"))),
+        hedged=int(_number(f.get("hedged", "0"))),
+        hedge_wins=int(_number(f.get("hedge_wins", "0"))),
+        hedge_wasted=int(_number(f.get("hedge_wasted", "0"))),
         backend=f.get("backend", "?"),
         max_batch=int(f.get("max_batch", 0)),
         batch_ms=float(f.get("batch_ms", 0.0)),

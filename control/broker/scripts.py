@@ -19,6 +19,7 @@ from control.broker.lua import (
     CANCEL_LUA,
     CLAIM_LUA,
     DELIVER_LUA,
+    HEDGE_LUA,
     RECORD_LUA,
     RESCUE_LUA,
     STREAM_LUA,
@@ -272,6 +273,31 @@ class Claim(_Registered):
         return [bool(flag) for flag in raw]
 
 
+class Hedge(_Registered):
+    """Add a batch's requests to the model's running set and take second copies of
+    others' for its empty slots (control/broker/lua.py's `HEDGE_LUA`); with `pipe` the
+    call is queued on it."""
+
+    SOURCE = HEDGE_LUA
+
+    def __call__(
+        self,
+        model: str,
+        replica: str,
+        running: Sequence[tuple[str, float]],
+        chosen: Sequence[str],
+        pipe: redis.client.Pipeline | None = None,
+    ) -> list[bytes] | None:
+        """`running`: (member, deadline ms) of each request the batch runs; `chosen`: the
+        members to copy. Returns the copies' queue messages (None on a pipeline)."""
+        args: list[EncodableT] = [model, replica, len(running)]
+        for member, deadline in running:
+            args += [int(deadline), member]
+        args += list(chosen)
+        raw = self._run([keys.running_key(model)], args, pipe)
+        return None if pipe is not None else list(raw)
+
+
 class Delivery(NamedTuple):
     """One item a replica owes a request's gateways."""
 
@@ -295,12 +321,18 @@ class Deliver(_Registered):
     SOURCE = DELIVER_LUA
 
     def __call__(
-        self, replica: str, items: Iterable[Delivery], pipe: redis.client.Pipeline | None = None
+        self,
+        replica: str,
+        items: Iterable[Delivery],
+        pipe: redis.client.Pipeline | None = None,
+        copies: bool = False,
     ) -> Delivered | None:
+        """`copies`: the items are second copies (hedges): a wasted one is counted apart."""
         args: list[EncodableT] = [replica]
         for item in items:
             args += item
-        raw = self._run([keys.held_key(replica)], args, pipe)
+        names = [keys.held_key(replica)] + ([keys.HEDGE_WASTED_KEY] if copies else [])
+        raw = self._run(names, args, pipe)
         return None if pipe is not None else self.answer(raw)
 
     @staticmethod

@@ -79,6 +79,7 @@ def format_fleet(snap: FleetSnapshot) -> str:
             "CYCLE MS",
             "P50/P99 MS",
             "BEAT MS",
+            "HEDGES/WON",
         )
     ]
     for r in snap.replicas:
@@ -97,6 +98,7 @@ def format_fleet(snap: FleetSnapshot) -> str:
                 f"{r.cycle_ms:.0f}",
                 f"{r.batch_p50_ms:.0f}/{r.batch_p99_ms:.0f}",
                 f"{r.heartbeat_age_ms:.0f}",
+                f"{r.hedged}/{r.hedge_wins}",
             )
         )
     lines = _table(rows) if snap.replicas else ["no replicas registered"]

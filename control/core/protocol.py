@@ -93,6 +93,7 @@ class Result(BaseModel):
     batch_size: int
     batch_start_ms: float
     batch_end_ms: float
+    hedged: bool = False  # answered by a second copy (a hedge), not the request's own run
 
 
 class Dropped(BaseModel):

@@ -161,6 +161,12 @@ class Settings(BaseSettings):
         description="the host a replica runs on: its registry entry and its name say it "
         "(`keybatch up --replicas-per-host` gives each group of replicas one)",
     )
+    hedge: Literal["off", "paid", "all"] = Field(
+        "all",
+        description="free-slot hedging: a static batch's empty slots run second copies of requests running "
+        "on another host (paid ones first), so a lost host's requests are answered by the copy; "
+        "off, paid (paid requests only) or all",
+    )
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: Literal["watched", "always", "off"] = Field(
         "watched",

@@ -81,6 +81,9 @@ def replica_json(r: ReplicaInfo) -> dict[str, Any]:
         "num_requests": r.num_requests,
         "taken_shut": r.taken_shut,
         "handed_back": r.handed_back,
+        "hedged": r.hedged,
+        "hedge_wins": r.hedge_wins,
+        "hedge_wasted": r.hedge_wasted,
         "engine": r.engine,
     }
 

@@ -13,7 +13,7 @@ import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import redis
 from redis.typing import EncodableT, FieldT
@@ -32,6 +32,23 @@ Client = redis.Redis
 Fields = dict[str, str | int | float]  # a registry entry (control/broker/records.py)
 
 Reply = p.Result | p.Failed | p.Dropped
+
+
+HEDGE_SCAN = 256  # running requests a hedge reads at most, by deadline
+
+
+class Settled(NamedTuple):
+    claimed: list[bool]  # per launched request: this replica runs it
+    peers_idle: bool  # a peer is idle
+    launches: list[float]  # when the peers last started a batch
+    running: list[tuple[bytes, float]]  # the model's running requests a hedge may copy (member, deadline)
+
+
+class Answered(NamedTuple):
+    wasted: int  # results nobody waited for (answered already or gone)
+    launches: list[float] | None  # the peers' launches, at a batch's end
+    hedge_wins: int  # second copies that answered first
+    hedge_wasted: int  # second copies whose request was answered already
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,6 +74,7 @@ class ReplicaBroker:
         self._deliver = scripts.Deliver(client)
         self._stream = scripts.Stream(client)
         self._take_queued = client.register_script(TAKE_QUEUED_LUA)
+        self._hedge = scripts.Hedge(client)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -177,12 +195,14 @@ class ReplicaBroker:
         launched: list[tuple[p.Job, str | None]],
         dropped: list[tuple[p.Job, str]],
         claim: tuple[float, int, float] | None,
-    ) -> tuple[list[bool], bool, list[float]] | None:
+        scan_from_ms: float | None = None,
+    ) -> Settled | None:
         """One pipeline: held records of paid requests taken at this launch (those with a
         message), out of the waiting sets for all that leave, Dropped notices, and with
         `claim` (lease ms, claim ttl ms, now) the claim of the launched requests, out of
-        the idle list, into the launch list. Returns (claimed, a peer is idle, the peers'
-        launches) for a claim, else None."""
+        the idle list, into the launch list; with `scan_from_ms` too, the model's running
+        requests whose deadline is no earlier (what a hedge may copy). Returns what a claim
+        answered, else None."""
         pipe = self.redis.pipeline(transaction=False)
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
@@ -201,8 +221,24 @@ class ReplicaBroker:
         pipe.zcount(idle, now, "+inf")
         pipe.zadd(launches, {self.name: now})
         pipe.zrange(launches, 0, -1, withscores=True)
-        *_, claimed, _, peers_idle, _, peer_launches = pipe.execute()
-        return scripts.Claim.answer(claimed), peers_idle > 0, self._others(peer_launches)
+        if scan_from_ms is not None:
+            pipe.zrangebyscore(keys.running_key(model), int(scan_from_ms), "+inf", 0, HEDGE_SCAN, withscores=True)
+        replies = pipe.execute()
+        running = replies.pop() if scan_from_ms is not None else []
+        *_, claimed, _, peers_idle, _, peer_launches = replies
+        return Settled(scripts.Claim.answer(claimed), peers_idle > 0, self._others(peer_launches), running)
+
+    def hedge(self, model: str, running: list[tuple[str, float]], chosen: list[str]) -> list[tuple[p.Job, str]]:
+        """Add this batch's requests (member, deadline) to the model's running set, and
+        take copies of the `chosen` members that still wait: their jobs and messages."""
+        raws = self._hedge(model, self.name, running, chosen) or []
+        jobs = []
+        for raw in raws:
+            try:
+                jobs.append((job_from_message(raw), raw.decode()))
+            except (ValueError, KeyError, TypeError, IndexError):
+                log.warning("dropping a malformed message of a running request")
+        return jobs
 
     def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:
         """Out of the waiting sets admission counts: the tier's (in line or behind other
@@ -225,21 +261,34 @@ class ReplicaBroker:
         end_ms: float,
         lease_ms: float,
         idle_until_ms: float | None = None,
-    ) -> tuple[int, list[float] | None]:
+        copies: Sequence[bool] = (),
+        running: Sequence[str] = (),
+    ) -> Answered:
         """One pipeline: the answers, the model's traffic, the lease; with `idle_until_ms`
-        (a batch's end) the idle list and the peers' launches too. Returns (results nobody
-        waited for, the peers' launches or None)."""
+        (a batch's end) the idle list and the peers' launches too. `copies` flags the
+        items that answer a second copy (a hedge): those go in a delivery of their own,
+        which counts the ones that came first. `running`: this replica's members of the
+        model's running set that leave it."""
+        copied = [i for i, flag in enumerate(copies) if flag]
+        own = [i for i in range(len(jobs)) if i not in set(copied)] if copied else list(range(len(jobs)))
         pipe = self.redis.pipeline(transaction=False)
-        self._reply(pipe, items, jobs)
-        traffic.record_done(pipe, model, ((job.tier, end_ms - job.received_ms) for job in jobs), end_ms)
+        self._reply(pipe, [items[i] for i in own], [jobs[i] for i in own])
+        if copied:
+            self._reply(pipe, [items[i] for i in copied], [jobs[i] for i in copied], copies=True)
+        if running:
+            pipe.zrem(keys.running_key(model), *running)
+        done = ((jobs[i].tier, end_ms - jobs[i].received_ms) for i in own)
+        traffic.record_done(pipe, model, done, end_ms)
         if idle_until_ms is not None:
             self._idle(pipe, model, idle_until_ms)
         self._lease(pipe, lease_ms)
         if idle_until_ms is not None:
             pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
         replies = pipe.execute()
-        wasted = scripts.Deliver.answer(replies[0]).wasted  # results nobody waited for
-        return wasted, self._others(replies[-1]) if idle_until_ms is not None else None
+        wasted = scripts.Deliver.answer(replies[0]).wasted if own else 0  # results nobody waited for
+        won = scripts.Deliver.answer(replies[1 if own else 0]).delivered if copied else 0
+        launches = self._others(replies[-1]) if idle_until_ms is not None else None
+        return Answered(wasted, launches, won, len(copied) - won)
 
     def reply(self, items: Iterable[Reply], jobs: list[p.Job], idle: tuple[str, float] | None = None) -> None:
         """Send `items` (with `idle`, (model, until ms): and join the idle list)."""
@@ -249,16 +298,18 @@ class ReplicaBroker:
             self._idle(pipe, *idle)
         pipe.execute()
 
-    def _reply(self, pipe: redis.client.Pipeline, items: Sequence[Reply], jobs: list[p.Job]) -> None:
+    def _reply(
+        self, pipe: redis.client.Pipeline, items: Sequence[Reply], jobs: list[p.Job], copies: bool = False
+    ) -> None:
         """Queue the delivery of `items` onto `pipe`: each goes to the gateway that owns
-        its request now, once (control/broker/scripts.py's `Deliver`)."""
+        its request now, once (control/broker/scripts.py's `Deliver`; `copies`: hedges)."""
         if not jobs:
             return
         deliveries = [
             scripts.Delivery(job.key, job.id, job.keep_ms, item.kind, item.model_dump_json(), _fallback(item, job))
             for item, job in zip(items, jobs, strict=True)
         ]
-        self._deliver(self.name, deliveries, pipe=pipe)
+        self._deliver(self.name, deliveries, pipe=pipe, copies=copies)
 
     def _others(self, launches: list[tuple[bytes, float]]) -> list[float]:
         """When the other replicas of the model last started a batch."""

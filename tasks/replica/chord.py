@@ -162,6 +162,10 @@ class ChordPolicy(StaticPolicy):
         with self._lock:
             return sum(b.num_unpulled for b in self.batches.values())
 
+    def hedge_finish_ms(self, now_ms: float) -> float | None:
+        """A chord's members are its own batch's requests: no second copies here."""
+        return None
+
     def pop(self, now_ms: float) -> list[Pending]:
         """The static policy's pop; the pull gate expects the batch to end a hop later."""
         batch = super().pop(now_ms)

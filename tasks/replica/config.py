@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.policy.collector import CollectorConfig
+from tasks.policy.hedging import HedgeMode
 
 
 @dataclass(frozen=True)
@@ -19,4 +20,5 @@ class ReplicaConfig:
     stall_ms: float = 2000.0  # an engine step this far past a whole batch's time hangs
     max_clock_error_ms: float = 25.0
     host: str = ""  # the host it runs on ("": this machine's name)
+    hedge: HedgeMode = "off"  # free-slot hedging (tasks/policy/hedging.py): off, paid or all
     hand_back: bool = True  # what a pull sent before the gate shut brings goes back to the queue

@@ -83,6 +83,9 @@ class ReplicaCore:
     def _assemble(self) -> None:
         """The parts that take the core (the replica's loop, intake and operations)."""
 
+    def host(self) -> str:
+        return self.config.host or socket.gethostname()
+
     def min_run_ms(self) -> float:
         return self.engine.expected_batch_ms() + self.collector.config.margin_ms
 
@@ -218,7 +221,7 @@ class ReplicaCore:
             join_ms=self.engine.expected_step_ms() if self.engine.continuous else 0.0,
             buffered=buffered,
             busy=self.busy,
-            host=self.config.host or socket.gethostname(),
+            host=self.host(),
             pid=os.getpid(),
             seen_ms=self.clock.now_ms(),
             why_not_ready=self.why_not_ready,

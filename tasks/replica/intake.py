@@ -31,6 +31,8 @@ class Held:
 
     job: p.Job
     message: str | None = None  # the queue message as taken, for requests popped at a launch
+    copy: bool = False  # a second copy (a hedge) of a request another replica runs
+    member: str = ""  # its entry in the model's running set, while hedging is on
 
 
 def held(pending: Pending) -> Held:

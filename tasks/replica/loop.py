@@ -21,8 +21,11 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from control.broker import records
 from control.core import protocol as p
+from control.core.vocab import FREE, PAID
 from tasks.engine.contract import StepOutput
+from tasks.policy import hedging
 from tasks.policy.collector import Pending
 from tasks.replica.broker import BrokerError
 from tasks.replica.intake import Intake, held
@@ -147,16 +150,19 @@ class Loop:
         r = self.replica
         if not batch and not dropped:
             return batch
-        claim = None
+        claim, finish = None, None
         if batch:
             now = r.clock.now_ms()
             claim = (r.lease_ms(), int(max(pd.deadline_ms for pd in batch) - now) + 1000, now)
+            finish = self.policy.hedge_finish_ms(now) if r.config.hedge != "off" else None
+        scan_from = None if finish is None else finish + r.collector.config.margin_ms
         try:
             settled = r.broker.settle(
                 r.model,
                 [(held(pd).job, held(pd).message) for pd in batch],
                 [(held(pd).job, reason) for reason, group in dropped.items() for pd in group],
                 claim,
+                scan_from,
             )
         except BrokerError:
             if r.fallback is None or not batch:
@@ -168,11 +174,49 @@ class Loop:
             log.warning("the broker did not take the claim of %d requests: running them all the same", len(batch))
             settled = None
         if settled is not None:
-            claimed, peers_idle, launches = settled
-            r.gate.peers(idle=peers_idle, launches=launches)
-            batch = self._keep_claimed(batch, claimed)
+            r.gate.peers(idle=settled.peers_idle, launches=settled.launches)
+            batch = self._keep_claimed(batch, settled.claimed)
+            if finish is not None and batch:
+                batch = batch + self.hedge(batch, settled.running, finish)
         self._count_dropped(dropped)
         return batch
+
+    def hedge(self, batch: list[Pending], running: list[tuple[bytes, float]], finish_ms: float) -> list[Pending]:
+        """Free-slot hedging: the batch's requests join the model's running set, and its
+        empty slots take second copies of requests running on another host
+        (tasks/policy/hedging.py); the copies to add to the batch. A copy is neither held
+        nor claimed here: the first answer wins, the other is counted as a wasted hedge."""
+        r = self.replica
+        host = r.host()
+        mine: list[tuple[str, float]] = []
+        for pd in batch:
+            job = held(pd).job
+            if not job.stream:  # a stream's text must come from one run
+                held(pd).member = records.pack_running(pd.id, host, pd.tier, job.key)
+                mine.append((held(pd).member, pd.deadline_ms))
+        candidates = []
+        for raw, deadline in running:
+            entry = records.parse_running(raw)
+            tier = PAID if entry.tier == PAID else FREE
+            candidates.append(hedging.Candidate(raw.decode(), tier, deadline, entry.host))
+        room = r.collector.config.max_batch - len(batch)
+        margin = r.collector.config.margin_ms
+        chosen = [c.key for c in hedging.pick(r.config.hedge, room, host, finish_ms, margin, candidates)]
+        if not mine and not chosen:
+            return []
+        try:
+            taken = r.broker.hedge(r.model, mine, chosen)
+        except BrokerError:
+            r.doubt.failed()
+            log.warning("could not take second copies for the batch's empty slots")
+            return []
+        copies = []
+        for job, _raw in taken:
+            pending = self.intake.pending(job)
+            held(pending).copy = True
+            copies.append(pending)
+        r.stats.hedged += len(copies)
+        return copies
 
     def _keep_claimed(self, batch: list[Pending], claimed: list[bool]) -> list[Pending]:
         """A request another live replica claimed first (a re-queued copy) runs there."""
@@ -194,8 +238,12 @@ class Loop:
         """Answer every finished request in one pipeline; at the end of a static batch the
         replica is idle again and times its next batch from its peers' launches."""
         r = self.replica
+        # A copy's failure is not its request's: only its own run answers that.
+        finished = [(pd, out, start) for pd, out, start in finished if not (held(pd).copy and out.error)]
         jobs = [held(pending).job for pending, _out, _start in finished]
-        items = [self.result(held(pd).job, out, batch_size, start, end) for pd, out, start in finished]
+        items = [self.result(held(pd).job, out, batch_size, start, end, held(pd).copy) for pd, out, start in finished]
+        copies = [held(pd).copy for pd, _out, _start in finished]
+        members = [held(pd).member for pd, _out, _start in finished if held(pd).member]
         for job in jobs:
             r.streams.forget(job.id)
         idle_until = r.idle_until_ms() if ends_batch else None
@@ -203,7 +251,7 @@ class Loop:
         if r.fallback is not None and r.doubt.failed_within(BROKER_DOUBT_MS):
             sent = r.fallback.send(items, jobs)  # first: the broker's own answer may be a bound away
         try:
-            wasted, launches = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until)
+            answered = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until, copies, members)
         except BrokerError:
             r.doubt.failed()
             if not sent and (r.fallback is None or not r.fallback.send(items, jobs)):
@@ -211,12 +259,18 @@ class Loop:
             log.warning("the broker did not take %d answers: sent through another cell", len(items))
             r.stats.ran(len(jobs), batch_size)
             return
-        r.stats.waste(wasted, sum((end - start) / batch_size for _pd, _out, start in finished) / len(finished))
-        r.stats.ran(len(jobs), batch_size)
-        if launches is not None:
-            r.gate.peers(launches=launches)
+        if finished:
+            share = sum((end - start) / batch_size for _pd, _out, start in finished) / len(finished)
+            r.stats.waste(answered.wasted, share)
+        r.stats.hedge_wins += answered.hedge_wins
+        r.stats.hedge_wasted += answered.hedge_wasted
+        r.stats.ran(len(jobs) - sum(copies), batch_size)
+        if answered.launches is not None:
+            r.gate.peers(launches=answered.launches)
 
-    def result(self, job: p.Job, out: StepOutput, batch_size: int, start: float, end: float) -> p.Result | p.Failed:
+    def result(
+        self, job: p.Job, out: StepOutput, batch_size: int, start: float, end: float, copy: bool = False
+    ) -> p.Result | p.Failed:
         r = self.replica
         if out.error:
             return p.Failed(
@@ -238,6 +292,7 @@ class Loop:
             batch_size=batch_size,
             batch_start_ms=start,
             batch_end_ms=end,
+            hedged=copy,
         )
 
     # -- the one fail path -------------------------------------------------------------
@@ -251,6 +306,7 @@ class Loop:
         r.joined.clear()
         r.streams.clear()
         batch = [pd for pd in self.in_hand if pd.id not in {rp.id for rp in running}] + running
+        batch = [pd for pd in batch if not held(pd).copy]  # a copy's request is answered by its own run
         self.in_hand = []
         r.busy = self.policy.running()  # a static batch on the engine goes on
         if not batch:

@@ -94,6 +94,12 @@ class Policy(Protocol):
         """The loop has ended."""
         ...
 
+    def hedge_finish_ms(self, now_ms: float) -> float | None:
+        """Under no lock: when a batch taken now ends, if its empty slots may carry second
+        copies of requests running elsewhere (free-slot hedging); None where a slot is
+        not free."""
+        ...
+
 
 class StaticPolicy:
     """Static batches, overlapped: the loop takes, settles and claims the next batch while
@@ -239,6 +245,12 @@ class StaticPolicy:
     def abort(self, attempts: list[str]) -> None:
         """A static batch aborts its own requests between steps (`BatchRun.cancelled`)."""
 
+    def hedge_finish_ms(self, now_ms: float) -> float | None:
+        """A static batch costs the same however full: its empty slots are free."""
+        with self.replica.cond:
+            frees_in = self.device.frees_in_ms(monotonic_ms())
+        return now_ms + frees_in + self.replica.engine.expected_batch_ms()
+
     def close(self) -> None:
         with self.replica.cond:
             self.device.close()
@@ -371,6 +383,10 @@ class ContinuousPolicy:
     def close(self) -> None:
         with self.replica.cond:
             self.device.close()
+
+    def hedge_finish_ms(self, now_ms: float) -> float | None:
+        """A continuous engine's row is not free: no hedging here (not measured yet)."""
+        return None
 
     def run(self, batch: list[Pending], turn_started_ms: float) -> None:
         """Stage the batch's requests to join the engine before its next step."""

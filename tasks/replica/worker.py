@@ -69,6 +69,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         max_clock_error_ms=s.max_clock_error_ms,
         hand_back=s.hand_back_pulls,
         host=s.host,
+        hedge=s.hedge,
     )
 
 

@@ -118,6 +118,7 @@ class Scripts:
         self.sweep_dead = strict(lua.SWEEP_DEAD_LUA)
         self.rescue = strict(lua.RESCUE_LUA)
         self.take_queued = strict(lua.TAKE_QUEUED_LUA)
+        self.hedge = strict(lua.HEDGE_LUA)
 
 
 def _admit(
@@ -164,7 +165,7 @@ def _now_ms(client: RedisCluster) -> float:
 def test_the_scripts_here_are_all_the_projects_scripts() -> None:
     assert set(lua.SOURCES) == {
         "ADMIT", "CANCEL", "RECORD", "CLAIM", "DELIVER", "STREAM", "SWEEP_ONE", "SWEEP_DEAD", "RESCUE",
-        "TAKE_QUEUED",
+        "TAKE_QUEUED", "HEDGE",
     }  # fmt: skip  # a new script joins Scripts and the test below
 
 
@@ -250,6 +251,15 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     cluster.lpush(lists[1], "free-1", "free-2")
     taken = s.take_queued(keys=lists, args=[2, 1, "paid", 2, "free", 2, "behind"])  # two in all, one paid at most
     assert taken == [b'{"properties":{"priority":0},"body":"MSG-att-f"}', b"free-1"]
+
+    # Free-slot hedging: r1's request in the running set, a copy taken by r2.
+    assert _admit(s, "t:g", "att-g", "gw-1")[0] == 1
+    member = "att-g|host-a|paid|t:g"
+    assert s.hedge(keys=[keys.running_key(MODEL)], args=[MODEL, "r1", 1, now + 60_000, member]) == []
+    assert s.hedge(keys=[keys.running_key(MODEL)], args=[MODEL, "r2", 0, member]) == [
+        b'{"properties":{"priority":0},"body":"MSG-att-g"}'
+    ]
+    assert cluster.get(keys.copy_key("att-g")) == b"r2"
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

@@ -324,3 +324,38 @@ def test_a_broker_at_its_memory_limit_still_answers_the_locked_sweep(state: redi
         assert scripts.SweepDead(state)(265, lock_ms=90) == scripts.SweepReport(0, 0, 0, 0, "")  # epoch unknown
     finally:
         state.config_set("maxmemory", limit)
+
+
+def test_a_hedge_copies_a_running_request_once_and_the_sweep_leaves_it_to_the_copy(state: redis.Redis) -> None:
+    message = _hold(state, "r1", "acme:r1", "a1", FAR_MS)
+    _hold(state, "r1", "acme:r2", "a2", FAR_MS)
+    hedge = scripts.Hedge(state)
+    members = [records.pack_running(a, "host-a", "paid", f"acme:{r}") for a, r in (("a1", "r1"), ("a2", "r2"))]
+    assert hedge(MODEL, "r1", [(m, FAR_MS) for m in members], []) == []  # r1 runs them: in the running set
+    assert state.zcard(keys.running_key(MODEL)) == 2
+    scripts.Cancel(state)("acme:r2", "cancelled")
+    assert hedge(MODEL, "r3", [], members) == [message]  # a2's client went: no copy of it
+    assert state.zcard(keys.running_key(MODEL)) == 0  # one copy at most: taken out of the set
+    assert state.get(keys.copy_key("a1")) == b"r3"
+    assert hedge(MODEL, "r4", [], members) == []
+    # r1 dies while r3, alive, runs the copy: r3 holds the request now, nothing is re-queued.
+    state.set(keys.lease_key("r3"), "1")
+    assert scripts.SweepDead(state)(265)[:3] == (1, 0, 0)
+    assert state.llen(keys.queue_key(MODEL, "paid")) == 0
+    assert state.hkeys(keys.held_key("r3")) == [b"a1"] and state.get(keys.claim_key("a1")) == b"r3"
+    # The copy answers; a late answer of the first run is wasted, and counted as such, not as a hedge.
+    copy = [scripts.Delivery("acme:r1", "a1", 0, "result", _result("a1"), "gw-a")]
+    assert scripts.Deliver(state)("r3", copy, copies=True) == scripts.Delivered(1, 0)
+    assert state.hgetall(keys.held_key("r3")) == {}
+    assert scripts.Deliver(state)("r1", copy, copies=True) == scripts.Delivered(0, 1)
+    assert state.get(keys.HEDGE_WASTED_KEY) == b"1" and state.get(keys.WASTED_KEY) is None
+
+
+def test_the_running_set_sheds_what_is_past_its_deadline(state: redis.Redis) -> None:
+    seconds, micros = state.time()
+    now = seconds * 1000 + micros / 1000
+    old = records.pack_running("a1", "host-a", "free", "acme:r1")
+    scripts.Hedge(state)(MODEL, "r1", [(old, now - 1)], [])
+    assert state.zcard(keys.running_key(MODEL)) == 1
+    assert scripts.Hedge(state)(MODEL, "r2", [], [old]) == []  # the next call sheds it first
+    assert state.zcard(keys.running_key(MODEL)) == 0

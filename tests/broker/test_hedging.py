@@ -1,0 +1,90 @@
+"""Free-slot hedging on a real Valkey, with two replicas on two hosts and no Celery: a
+batch's empty slot runs a second copy of a request running on the other host, and the
+first answer is the one delivered."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from control.broker import keys
+from control.broker.envelope import TaskMessages
+from control.core import protocol as p
+from control.core.clock import BrokerClock
+from control.core.settings import Settings
+from control.fleet.valkey import EmbeddedBroker
+from tasks.celery.app import make_celery
+from tasks.engine.fixed import FixedLatencyEngine
+from tasks.policy.collector import CollectorConfig
+from tasks.policy.hedging import HedgeMode
+from tasks.replica.config import ReplicaConfig
+from tasks.replica.replica import Replica
+from tests.support.deploy import MODEL
+from tests.support.waiting import until
+
+
+@pytest.fixture
+def state() -> Iterator[redis.Redis]:
+    with EmbeddedBroker() as broker:
+        yield redis.Redis.from_url(broker.url)
+
+
+def _replica(state: redis.Redis, name: str, host: str, batch_ms: float, hedge: HedgeMode) -> Replica:
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=batch_ms)
+    collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=batch_ms)
+    config = ReplicaConfig(name, MODEL, collector, lease_ms=2000.0, host=host, hedge=hedge)
+    return Replica(config, engine, state, BrokerClock(state))
+
+
+def _admit(state: redis.Redis, messages: TaskMessages, i: int, tier: str, now_ms: float) -> p.Job:
+    """As admission leaves it: an owner that keeps the queue message."""
+    job = p.Job(id=f"a{i}", key=f"t:r{i}", model=MODEL, prompt=f"x{i}", gateway="gw", received_ms=now_ms,
+                deadline_ms=now_ms + 8_000, tier=tier)  # fmt: skip
+    waiting = keys.waiting_key(MODEL, tier)  # type: ignore[arg-type]
+    state.set(keys.owner_key(job.key), f"gw|{waiting}|t|{job.id}||{messages(job)}", px=20_000)
+    return job
+
+
+def _answers(state: redis.Redis, items: dict[str, list[dict]]) -> int:
+    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
+        for item in p.Reply.model_validate_json(raw).model_dump()["items"]:
+            items.setdefault(item["id"], []).append(item)
+    state.delete(keys.reply_key("gw"))
+    time.sleep(0.01)
+    return len(items)
+
+
+@pytest.mark.parametrize("hedge", ["all", "off"])
+def test_an_empty_slot_on_another_host_answers_a_request_whose_own_run_is_slow(
+    state: redis.Redis, hedge: HedgeMode
+) -> None:
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    slow = _replica(state, "r-slow", "host-a", 3_000.0, hedge)  # as good as lost while the test runs
+    quick = _replica(state, "r-quick", "host-b", 100.0, hedge)
+    slow.start()
+    quick.start()
+    try:
+        now = BrokerClock(state).now_ms()
+        slow.submit(_admit(state, messages, 1, "free", now))
+        assert until(lambda: slow.busy, 5)  # claimed, in the running set where hedging is on
+        quick.submit(_admit(state, messages, 2, "free", now))
+        items: dict[str, list[dict]] = {}
+        if hedge == "off":
+            assert until(lambda: _answers(state, items) >= 1, 5)
+            assert not until(lambda: "a1" in items or _answers(state, items) > 1, 1.0)
+            assert quick.stats.hedged == 0 and state.zcard(keys.running_key(MODEL)) == 0
+            return
+        assert until(lambda: _answers(state, items) >= 2, 5)
+        assert [i["replica"] for i in items["a1"]] == ["r-quick"] and items["a1"][0]["hedged"] is True
+        assert items["a2"][0]["hedged"] is False
+        assert (quick.stats.hedged, quick.stats.hedge_wins, quick.stats.hedge_wasted) == (1, 1, 0)
+        assert until(lambda: slow.stats.num_requests == 1, 5)  # its own run ends later: nobody waits
+        assert slow.stats.wasted_slots == 1
+        assert _answers(state, items) == 2 and len(items["a1"]) == 1  # answered once
+        assert state.zcard(keys.running_key(MODEL)) == 0
+    finally:
+        quick.stop()
+        slow.stop()
