@@ -253,6 +253,8 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
             batch = item.batch_end_ms - item.batch_start_ms
             metrics.overhead.observe(max(0.0, now - job.received_ms - batch) / 1000)
             metrics.batch_size.observe(item.batch_size)
+            if item.hedged:
+                metrics.of(metrics.hedged_answers, job.model, job.tier).inc()
 
 
 def _error_for(item: object) -> tuple[int, ApiError]:

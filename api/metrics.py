@@ -85,6 +85,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.hedged_answers = Counter(
+            "keybatch_hedged_answers",
+            "Requests answered by a second copy (a hedge) run in another batch's empty slot",
+            ["model", "tier"],
+            registry=r,
+        )
         self.moved = Counter(
             "keybatch_requests_moved",
             "Waiting requests sent to another cell while their own cell's broker did not answer",

@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import redis
 
 from control.bench.harness import MODEL, Deployment, role
 from control.core.procs import free_port
@@ -77,6 +78,21 @@ def _processes(deployment: Deployment) -> dict[str, list[psutil.Process]]:
     }
 
 
+def _broker_client(deployment: Deployment) -> redis.Redis | None:
+    url = deployment.redis_url()
+    return redis.Redis.from_url(url) if url else None
+
+
+def _commands(client: redis.Redis | None) -> int | None:
+    """The broker's commands processed so far (a script's own calls included); None: unread."""
+    if client is None:
+        return None
+    try:
+        return int(client.info("stats")["total_commands_processed"])
+    except redis.RedisError:
+        return None
+
+
 def per_request_ms(before: dict[str, float], after: dict[str, float], answered: int) -> dict[str, float]:
     """CPU ms per answered request of each kind, and their total."""
     spent = {kind: (after[kind] - before[kind]) * 1000.0 / max(1, answered) for kind in KINDS}
@@ -85,19 +101,27 @@ def per_request_ms(before: dict[str, float], after: dict[str, float], answered: 
 
 def measure(checkout: str, args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": checkout, **(extra_env or {})}
-    deployment = Deployment(f"cpu-{Path(checkout).name}", args.workers, env, cwd=checkout)
+    per_host = getattr(args, "replicas_per_host", 0)
+    deployment = Deployment(f"cpu-{Path(checkout).name}", args.workers, env, cwd=checkout, replicas_per_host=per_host)
     deployment.start()
     try:
         generate(LoadSpec(deployment.url, args.rate, WARMUP_S, model=MODEL, seed=7), show_progress=False)
         procs = _processes(deployment)
+        broker = _broker_client(deployment)
         before = {kind: cpu_seconds(procs[kind]) for kind in KINDS}
+        commands_before = _commands(broker)
         records = generate(LoadSpec(deployment.url, args.rate, args.duration, model=MODEL, seed=1), show_progress=False)
         after = {kind: cpu_seconds(procs[kind]) for kind in KINDS}
+        commands_after = _commands(broker)
     finally:
         deployment.stop()
     summary = summarize(records)["all"]
     answered = sum(r.status == 200 for r in records)
+    commands = None
+    if commands_before is not None and commands_after is not None:
+        commands = round((commands_after - commands_before) / max(1, answered), 2)
     return {
+        "broker_commands_per_request": commands,
         "answered": answered,
         "sent": len(records),
         "p50_ms": summary["p50_ms"],
@@ -211,7 +235,7 @@ def run_path_cpu(args: argparse.Namespace) -> int:
             runs[side].append(run)
             print(
                 f"round {round_ + 1} {side:5} ({commit_of(checkout)}): CPU ms/request "
-                f"{_line(run['cpu_ms_per_request'])}; "
+                f"{_line(run['cpu_ms_per_request'])}; broker commands/request {run['broker_commands_per_request']}; "
                 f"p50 {run['p50_ms']:.0f} ms, {run['answered']}/{run['sent']} answered "
                 f"({time.monotonic() - started:.0f} s)",
                 flush=True,
@@ -223,6 +247,7 @@ def run_path_cpu(args: argparse.Namespace) -> int:
         "workers": args.workers,
         "command": f"keybatch bench path-cpu --checkout OTHER --rate {args.rate:g} --duration {args.duration:g} "
         f"--rounds {args.rounds} --workers {args.workers}"
+        + (f" --replicas-per-host {args.replicas_per_host}" if args.replicas_per_host else "")
         + "".join(f" --other-env {k}={v}" for k, v in other_env.items()),
     }
     medians = {side: side_medians(runs[side]) for side in sides}

@@ -26,6 +26,7 @@ COUNTERS = {
     "keybatch_wasted_results_total": "wasted_results",
     "keybatch_cancels_total": "cancels",
     "keybatch_dropped_before_batch_total": "dropped_before_batch",
+    "keybatch_hedged_answers_total": "hedged_answers",
 }
 
 

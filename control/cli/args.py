@@ -239,6 +239,9 @@ def add_path_cpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=20.0, help="seconds of measured load per run")
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, interleaved")
     p.add_argument("--workers", type=int, default=2, help="replicas")
+    p.add_argument(
+        "--replicas-per-host", type=int, default=0, help="`up --replicas-per-host` (1: a host each, for hedging)"
+    )
     p.add_argument("--json", default=None, help="write all figures here")
     p.add_argument("--profile", default=None, help="then profile each side's gateway (cProfile) into this folder")
     p.add_argument("--profile-rate", type=float, default=50.0, help="offered requests per second while profiling")
