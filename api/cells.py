@@ -15,7 +15,7 @@ from collections import Counter
 import redis
 
 from control.broker.registry import FleetView
-from control.broker.scripts import Admit, Cancel, Rescue, SweepDead
+from control.broker.scripts import Admit, Cancel, Rescue, Supersede, SweepDead
 from control.core.connect import client_like
 from control.policy import admission
 
@@ -68,6 +68,7 @@ class Cell:
         self.health = BrokerHealth()
         self.admit = Admit(client)
         self.cancel = Cancel(client)
+        self.supersede = Supersede(client)
         # Blocking reads and background probes get their own connections and bounds.
         bound_s = broker_timeout_ms / 1000.0
         self.listener = client_like(client, socket_timeout=3.0, socket_connect_timeout=1.0)

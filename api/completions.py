@@ -198,6 +198,8 @@ def create_completion() -> Response:
         deadline_ms=received + budget,
         stream=req.stream,
     )
+    if session_key is not None and (reused := gw.reuse(job, session_key)) is not None:
+        return _reused_answer(gw, job, request_id, *reused)
     try:
         waiter = gw.submit(job, request_id, session_key)
     except ApiError as err:
@@ -222,6 +224,18 @@ def create_completion() -> Response:
     return resp
 
 
+def _reused_answer(gw: Gateway, job: p.Job, request_id: str, result: p.Result, cell: int) -> Response:
+    """The rest of the session's last completion, typed through: no queue, no model."""
+    now = gw.clock.now_ms()
+    metrics = gw.metrics
+    metrics.of(metrics.requests, job.model, job.tier, "200").inc()
+    metrics.of(metrics.latency, job.model, job.tier).observe((now - job.received_ms) / 1000)
+    metrics.of(metrics.reused, job.model, job.tier).inc()
+    resp = jsonify(_completion(request_id, job, result, now, cell))
+    resp.headers["X-Request-Id"] = request_id
+    return resp
+
+
 def _wait(gw: Gateway, waiter: Waiter, environ: dict[str, Any]) -> None:
     """Wait for the answer; a client that hangs up meanwhile cancels its request."""
     watch = hangup_event(environ)
@@ -239,6 +253,8 @@ def _answer(gw: Gateway, waiter: Waiter) -> dict:
     status = 200
     try:
         if isinstance(item, p.Result):
+            if waiter.session is not None:
+                gw.remember(job, waiter.session, item)
             return _completion(waiter.request_id, job, item, now, waiter.cell)
         status, err = _error_for(item)
         raise err
@@ -297,6 +313,7 @@ def _completion(request_id: str, job: p.Job, res: p.Result, now: float, cell: in
             "tier": job.tier,
             "cell": cell,
             "hedged": res.hedged,
+            "reused": res.reused,
         },
     }
 

@@ -39,7 +39,7 @@ from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.settings import Settings
 from control.core.vocab import PAID, TIERS, Tier
-from control.policy import admission
+from control.policy import admission, reuse
 from control.policy.admission import Capacity, Limits, Verdict
 from control.policy.cells import cell_order
 
@@ -150,6 +150,57 @@ class Gateway:
             except redis.RedisError:
                 log.warning("could not read the broker's clock")
                 return
+
+    # -- typed-through reuse (control/policy/reuse.py) ------------------------------
+
+    def reuse(self, job: p.Job, session_key: str) -> tuple[p.Result, int] | None:
+        """The rest of the session's last completion, when this request's prompt only adds
+        a start of it, and the cell that keeps the session; None: the model answers it. A
+        request answered so supersedes the session's request in flight, as admission would."""
+        window_ms = int(self.settings.reuse_window_s * 1000)
+        if window_ms <= 0 or job.stream:
+            return None
+        cell = self.cells[cell_order(session_key, len(self.cells))[0]]
+        options = _options(job)
+        try:
+            raw = cell.redis.get(keys.last_key(session_key))
+            previous = reuse.parse(raw) if raw is not None else None
+            rest = reuse.typed_through(previous, options, job.prompt) if previous is not None else None
+            if previous is None or rest is None:
+                return None
+            ttl_ms = int(job.deadline_ms - job.received_ms) + OWNER_SLACK_MS
+            cell.supersede(keys.session_key(session_key), job.key, ttl_ms)
+            kept = reuse.remember(options, job.prompt, rest, previous.finish_reason)
+            cell.redis.set(keys.last_key(session_key), reuse.pack(kept), px=window_ms)
+        except redis.RedisError:
+            return None
+        now = self.clock.now_ms()
+        result = p.Result(
+            id=job.id,
+            text=rest,
+            finish_reason=previous.finish_reason,
+            prompt_tokens=0,
+            completion_tokens=0,
+            replica="",
+            backend="reused",
+            batch_size=0,
+            batch_start_ms=now,
+            batch_end_ms=now,
+            reused=True,
+        )
+        return result, cell.index
+
+    def remember(self, job: p.Job, session_key: str, result: p.Result) -> None:
+        """Keep a session's completion for its next request (`reuse`)."""
+        window_ms = int(self.settings.reuse_window_s * 1000)
+        if window_ms <= 0 or job.stream or not result.text:
+            return
+        cell = self.cells[cell_order(session_key, len(self.cells))[0]]
+        kept = reuse.remember(_options(job), job.prompt, result.text, result.finish_reason)
+        try:
+            cell.redis.set(keys.last_key(session_key), reuse.pack(kept), px=window_ms)
+        except redis.RedisError:
+            log.warning("could not keep a session's completion for reuse")
 
     # -- submit ----------------------------------------------------------------
 
@@ -739,6 +790,10 @@ def body_fingerprint(job: p.Job) -> str:
     array unwrapped, one stop string as a list): a retry must ask for the same thing."""
     fields = [job.model, job.prompt, job.suffix, job.max_tokens, job.temperature, job.top_p, job.stop]
     return hashlib.sha256(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()[:32]
+
+
+def _options(job: p.Job) -> str:
+    return reuse.options_digest(job.model, job.suffix, job.max_tokens, job.temperature, job.top_p, job.stop)
 
 
 def _reused(request_id: str) -> ApiError:

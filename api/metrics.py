@@ -91,6 +91,12 @@ class Metrics:
             ["model", "tier"],
             registry=r,
         )
+        self.reused = Counter(
+            "keybatch_reused_answers",
+            "Requests answered with the rest of their session's last completion (typed through), without the model",
+            ["model", "tier"],
+            registry=r,
+        )
         self.moved = Counter(
             "keybatch_requests_moved",
             "Waiting requests sent to another cell while their own cell's broker did not answer",

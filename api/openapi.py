@@ -259,10 +259,13 @@ def _schemas() -> dict[str, Schema]:
                         "tier": {"enum": list(TIERS)},
                         "cell": integer,
                         "hedged": {"type": "boolean"},
+                        "reused": {"type": "boolean"},
                     },
                     description=(
                         "keybatch's own timings (ms), batch size and replica, the cell that carried the "
-                        "request, and whether a second copy run in another batch's empty slot answered it."
+                        "request, whether a second copy run in another batch's empty slot answered it "
+                        "(hedged), and whether it is the rest of the session's last completion, typed "
+                        "through without the model (reused)."
                     ),
                 ),
             }

@@ -129,6 +129,11 @@ def session_key(session_id: str) -> str:
     return key("session", session_id)
 
 
+def last_key(session_id: str) -> str:
+    """A session's last completion, for typed-through reuse (control/policy/reuse.py)."""
+    return key("last", session_id)
+
+
 def waiting_key(model: str, tier: Tier, behind: bool = False) -> str:
     """Sorted set of requests admitted but not yet in a batch, scored by deadline (`behind`:
     those in the tier's list behind other keys' requests)."""

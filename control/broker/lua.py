@@ -539,6 +539,18 @@ return #order
 # ARGV: request key, reason, tenant, attempt, holder ('' for any).
 CANCEL_LUA = LUA_LIB + "return cancel(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
 
+# A request answered by reuse (control/policy/reuse.py) takes its session's place as an
+# admission would: the session's request in flight, if another, is superseded.
+# KEYS: the session key; ARGV: the request's key, the session key's ttl ms.
+SUPERSEDE_LUA = (
+    LUA_LIB
+    + """
+local previous = redis.call('SET', KEYS[1], ARGV[1], 'GET', 'PX', ARGV[2])
+if previous and previous ~= ARGV[1] then return cancel(previous, 'superseded', '', '', '') end
+return 0
+"""
+)
+
 # The admission, its first part: a stored answer, or a retry joining the attempt in flight.
 _ADMIT_JOIN = """
 local fingerprint = ARGV[1]
@@ -766,4 +778,5 @@ SOURCES = {
     "RESCUE": RESCUE_LUA,
     "TAKE_QUEUED": TAKE_QUEUED_LUA,
     "HEDGE": HEDGE_LUA,
+    "SUPERSEDE": SUPERSEDE_LUA,
 }

@@ -23,6 +23,7 @@ from control.broker.lua import (
     RECORD_LUA,
     RESCUE_LUA,
     STREAM_LUA,
+    SUPERSEDE_LUA,
     SWEEP_DEAD_LUA,
     SWEEP_ONE_LUA,
 )
@@ -296,6 +297,16 @@ class Hedge(_Registered):
         args += list(chosen)
         raw = self._run([keys.running_key(model)], args, pipe)
         return None if pipe is not None else list(raw)
+
+
+class Supersede(_Registered):
+    """A request answered without admission takes its session's place; returns whether
+    it superseded a request in flight."""
+
+    SOURCE = SUPERSEDE_LUA
+
+    def __call__(self, session_key: str, request_key: str, ttl_ms: int) -> bool:
+        return bool(self._run([session_key], [request_key, ttl_ms]))
 
 
 class Delivery(NamedTuple):

@@ -94,6 +94,7 @@ class Result(BaseModel):
     batch_start_ms: float
     batch_end_ms: float
     hedged: bool = False  # answered by a second copy (a hedge), not the request's own run
+    reused: bool = False  # the rest of the session's last completion, typed through (no model run)
 
 
 class Dropped(BaseModel):

@@ -187,6 +187,13 @@ class Settings(BaseSettings):
     idempotency_window_s: float = Field(
         30.0, ge=0, description="a retry with the same X-Request-Id gets the stored answer this long"
     )
+    reuse_window_s: float = Field(
+        30.0,
+        ge=0,
+        description="a session's last completion is kept this long: a request of the session whose prompt "
+        "only adds a start of it (the user typed what was suggested) is answered with the rest, without "
+        "the model (`keybatch.reused`); 0: never",
+    )
     max_clock_error_ms: float = Field(
         25.0, gt=0, description="a replica that cannot read the broker's clock this closely is not ready"
     )

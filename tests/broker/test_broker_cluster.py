@@ -119,6 +119,7 @@ class Scripts:
         self.rescue = strict(lua.RESCUE_LUA)
         self.take_queued = strict(lua.TAKE_QUEUED_LUA)
         self.hedge = strict(lua.HEDGE_LUA)
+        self.supersede = strict(lua.SUPERSEDE_LUA)
 
 
 def _admit(
@@ -165,7 +166,7 @@ def _now_ms(client: RedisCluster) -> float:
 def test_the_scripts_here_are_all_the_projects_scripts() -> None:
     assert set(lua.SOURCES) == {
         "ADMIT", "CANCEL", "RECORD", "CLAIM", "DELIVER", "STREAM", "SWEEP_ONE", "SWEEP_DEAD", "RESCUE",
-        "TAKE_QUEUED", "HEDGE",
+        "TAKE_QUEUED", "HEDGE", "SUPERSEDE",
     }  # fmt: skip  # a new script joins Scripts and the test below
 
 
@@ -260,6 +261,10 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
         b'{"properties":{"priority":0},"body":"MSG-att-g"}'
     ]
     assert cluster.get(keys.copy_key("att-g")) == b"r2"
+    # An answer typed through takes its session's place: the request in flight is superseded.
+    assert _admit(s, "t:h", "att-h", "gw-1", session="t:s2")[0] == 1
+    assert s.supersede(keys=[keys.session_key("t:s2")], args=["t:h2", 60_000]) == 1
+    assert cluster.get(keys.cancel_key("att-h")) == b"superseded"
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)

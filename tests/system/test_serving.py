@@ -87,6 +87,41 @@ def test_a_newer_request_in_the_session_supersedes_the_older(kb: Deployment) -> 
     assert kb.metric_becomes("keybatch_dropped_before_batch_total", before + 1, reason="superseded") == before + 1
 
 
+def test_a_prompt_that_types_through_the_last_completion_is_answered_with_its_rest(kb: Deployment) -> None:
+    prompt, session = "def typed_through(x):\n    ", {"X-Session-Id": "typing"}
+
+    def ask(text: str, key: str = FREE_KEY, **headers: str) -> dict:
+        resp = kb.post({"model": MODEL, "prompt": text, "max_tokens": 8}, key=key, **headers)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    first = ask(prompt, **session)
+    text = first["choices"][0]["text"]
+    assert first["keybatch"]["reused"] is False and len(text) > 5
+    before = kb.metric("keybatch_reused_answers_total", model=MODEL, tier="free")
+    second = ask(prompt + text[:3], **session)  # the user typed what was suggested
+    assert second["choices"][0]["text"] == text[3:]
+    assert second["keybatch"]["reused"] is True and second["keybatch"]["batch_size"] == 0
+    assert second["choices"][0]["finish_reason"] == first["choices"][0]["finish_reason"]
+    assert ask(prompt + text[:5], **session)["choices"][0]["text"] == text[5:]  # and typed on
+    assert kb.metric("keybatch_reused_answers_total", model=MODEL, tier="free") == before + 2
+    assert ask(prompt + text[:5] + "#", **session)["keybatch"]["reused"] is False  # typed something else
+    assert ask(prompt + text[:3], **{"X-Session-Id": "another"})["keybatch"]["reused"] is False
+    assert ask(prompt + text[:3], key=PAID_KEY, **session)["keybatch"]["reused"] is False  # another key's session
+
+
+def test_an_answer_typed_through_supersedes_the_sessions_request_in_flight(kb: Deployment) -> None:
+    session = {"X-Session-Id": "typing-on"}
+    first = kb.post(**session).json()  # the default body: what `queued_behind_busy_replicas` sends too
+    older, busy = queued_behind_busy_replicas(kb, **session)
+    typed = {"model": MODEL, "prompt": "def add(a, b):\n    " + first["choices"][0]["text"][:2]}
+    newer = kb.post(typed, **session)
+    assert newer.status_code == 200 and newer.json()["keybatch"]["reused"] is True
+    assert older.result(5).status_code == 409
+    assert older.result().json()["error"]["code"] == "superseded"
+    [f.result() for f in busy]
+
+
 def test_errors_are_openai_shaped(kb: Deployment) -> None:
     def check(resp: requests.Response, status: int, code: str) -> None:
         assert resp.status_code == status, resp.text
