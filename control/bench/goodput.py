@@ -29,6 +29,7 @@ from control.load.spec import LoadSpec
 from control.load.summary import summarize
 
 PAID_KEY, FREE_KEY = "bench-paid", "bench-free"
+TIER_FIGURES = ("sent", "ok_share", "status_429", "status_504", "p50_ms", "p99_ms")
 
 
 def _cpu_s() -> float:
@@ -70,6 +71,13 @@ def measure(policy: Policy, max_batch: int, load: float, args: argparse.Namespac
         "p99_429_ms": a["p99_429_ms"],
         "p99_ms": a["p99_ms"],
         "p99_paid_ms": summary.get("paid", {}).get("p99_ms", 0.0),
+        "tiers": {
+            tier: {
+                key: summary[tier][key] for key in ("sent", "ok_share", "status_429", "status_504", "p50_ms", "p99_ms")
+            }
+            for tier in ("paid", "free")
+            if tier in summary
+        },
         "no_answer": a["no_answer"],
         "codes": a["codes"],
         "duty_cycle": {r.name: r.utilization for r in fleet},
@@ -94,6 +102,12 @@ def run_goodput(args: argparse.Namespace) -> int:
                 f"duty {duty}; load generator {r['load_generator_cpu_share']:.0%} of a core",
                 flush=True,
             )
+            for tier, t in r["tiers"].items():
+                print(
+                    f"  {tier}: 200s {t['ok_share']:.2%}, p50/p99 {t['p50_ms']:.0f}/{t['p99_ms']:.0f} ms, "
+                    f"429 {t['status_429']}, 504 {t['status_504']}",
+                    flush=True,
+                )
     if args.json:
         result = {"command": "keybatch bench goodput " + " ".join(sys.argv[3:]), "runs": runs}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
