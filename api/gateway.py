@@ -158,9 +158,11 @@ class Gateway:
         a start of it, and the cell that keeps the session; None: the model answers it. A
         request answered so supersedes the session's request in flight, as admission would."""
         window_ms = int(self.settings.reuse_window_s * 1000)
-        if window_ms <= 0 or job.stream:
+        if window_ms <= 0 or job.stream or job.keep_ms > 0:  # a request id's retries get its stored answer
             return None
         cell = self.cells[cell_order(session_key, len(self.cells))[0]]
+        if cell.health.is_down:
+            return None
         options = _options(job)
         try:
             raw = cell.redis.get(keys.last_key(session_key))
@@ -172,8 +174,10 @@ class Gateway:
             cell.supersede(keys.session_key(session_key), job.key, ttl_ms)
             kept = reuse.remember(options, job.prompt, rest, previous.finish_reason)
             cell.redis.set(keys.last_key(session_key), reuse.pack(kept), px=window_ms)
-        except redis.RedisError:
+        except redis.RedisError as exc:
+            cell.health.failed(exc)
             return None
+        cell.health.ok()
         now = self.clock.now_ms()
         result = p.Result(
             id=job.id,
@@ -193,13 +197,16 @@ class Gateway:
     def remember(self, job: p.Job, session_key: str, result: p.Result) -> None:
         """Keep a session's completion for its next request (`reuse`)."""
         window_ms = int(self.settings.reuse_window_s * 1000)
-        if window_ms <= 0 or job.stream or not result.text:
+        if window_ms <= 0 or job.stream or job.keep_ms > 0 or not result.text:
             return
         cell = self.cells[cell_order(session_key, len(self.cells))[0]]
+        if cell.health.is_down:
+            return
         kept = reuse.remember(_options(job), job.prompt, result.text, result.finish_reason)
         try:
             cell.redis.set(keys.last_key(session_key), reuse.pack(kept), px=window_ms)
-        except redis.RedisError:
+        except redis.RedisError as exc:
+            cell.health.failed(exc)
             log.warning("could not keep a session's completion for reuse")
 
     # -- submit ----------------------------------------------------------------

@@ -265,9 +265,12 @@ local function sweep(holder, min_ms)
       local copy = redis.call('GET', K.copy .. id)
       if att ~= id or (claim and claim ~= holder and lease_alive(claim)) then
         -- answered or retried under another attempt, or running on a live replica
-      elseif copy and copy ~= holder and lease_alive(copy) then
+      elseif copy and copy ~= holder and lease_alive(copy)
+          and redis.call('INCR', K.requeued .. id) <= C.max_requeues then
         -- its second copy runs on a live replica, and answers: that replica holds it now,
-        -- so that its sweep re-queues the request if it dies too
+        -- so that its sweep re-queues the request if it dies too (a hand-over counts as a
+        -- re-queue: a prompt that kills replicas must not kill two at a time for ever)
+        redis.call('PEXPIRE', K.requeued .. id, math.floor(math.max(1, deadline - now) + 1000))
         redis.call('HSET', K.held .. copy, id, held[i + 1])
         redis.call('SET', K.claim .. id, copy, 'PX', math.floor(math.max(1, deadline - now) + 1000))
       elseif message ~= '' and deadline - now >= min_ms and redis.call('INCR', K.requeued .. id) <= C.max_requeues then
@@ -464,14 +467,17 @@ return out
 )
 
 # ARGV: replica, then per item: request key, attempt, keep ms, kind, item JSON, fallback gateway;
-# KEYS[2], if given, counts the wasted results in place of `K.wasted` (a batch's hedges).
+# KEYS[2], if given, says the items answer second copies (hedges) and counts their wasted
+# results in place of `K.wasted`: the copy's record (`K.copy`) goes if it is this replica's,
+# and a copy's failure reaches no client unless the request is this replica's own now (a
+# sweep handed it over when its first replica died: its copy is then its only run).
 # Returns {delivered, wasted}. An answer goes to the gateway that owns the request now;
 # a drop notice whose request has no owner (a cancel took it) still reaches the gateway
 # that admitted it, for its counters; any other item without an owner is wasted work.
 DELIVER_LUA = (
     LUA_LIB
     + """
-local holder = ARGV[1]
+local holder, copies = ARGV[1], KEYS[2] ~= nil
 local out, order = {}, {}
 local delivered, wasted = 0, 0
 local names = {}
@@ -483,6 +489,10 @@ for j = 1, #names do
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
   local gateway = nil
   local owner = owner_of(owners[j])
+  if copies then
+    if redis.call('GET', K.copy .. att) == holder then redis.call('DEL', K.copy .. att) end
+    if kind ~= 'result' and redis.call('HEXISTS', K.held .. holder, att) == 0 then owner = nil end
+  end
   if owner and not answered[key] then  -- the first item for a request takes its owner
     local gateways, _, _, owner_att, fingerprint = owner_parts(owner)
     if owner_att == att then
@@ -726,11 +736,13 @@ return out
 )
 
 # Free-slot hedging (tasks/policy/hedging.py): the model's running set holds one member per
-# request running now, "attempt|host|tier|key", scored by its deadline. A replica adds its
-# batch's requests once it has claimed them, and takes second copies for its batch's empty
-# slots: each chosen member leaves the set (one copy at most) and, while its request waits
-# under that attempt, its copy is recorded (`K.copy`: the sweep leaves the request to the
-# copy's replica when the first one dies) and its queue message returned. Entries past
+# request running now, "attempt|replica|host|tier|max tokens|key", scored by its deadline.
+# A replica adds its batch's requests once it has claimed them, and takes second copies for
+# its batch's empty slots: each chosen member leaves the set (one copy at most) and, while
+# its request waits under that attempt and runs on that member's replica (its claim, its
+# lease alive: not a member left by a dead replica whose request was re-queued), its copy
+# is recorded (`K.copy`: the sweep leaves the request to the copy's replica when the first
+# one dies) and its queue message returned. Entries past
 # their deadline leave the set here, and a replica takes its own out when it answers them.
 # ARGV: model, replica, the number of new members, then per new member its deadline and
 # itself, then the members chosen to copy. Returns the copies' queue messages.
@@ -745,14 +757,17 @@ local out = {}
 for i = 4 + 2 * n, #ARGV do
   local member = ARGV[i]
   local deadline = tonumber(redis.call('ZSCORE', running, member))
-  local a = string.find(member, '|', 1, true)
-  local b = a and string.find(member, '|', a + 1, true)
-  local c = b and string.find(member, '|', b + 1, true)
-  if deadline and c then
+  local cuts, at = {}, 0
+  for _ = 1, 5 do
+    at = at and string.find(member, '|', at + 1, true)
+    cuts[#cuts + 1] = at
+  end
+  if deadline and at then
     redis.call('ZREM', running, member)
-    local att, key = member:sub(1, a - 1), member:sub(c + 1)
+    local att, runner, key = member:sub(1, cuts[1] - 1), member:sub(cuts[1] + 1, cuts[2] - 1), member:sub(cuts[5] + 1)
     local owner = get_owner(key)
-    if owner and redis.call('EXISTS', K.cancel .. att) == 0 then
+    local runs = runner ~= me and redis.call('GET', K.claim .. att) == runner and lease_alive(runner)
+    if owner and runs and redis.call('EXISTS', K.cancel .. att) == 0 then
       local _, _, _, owner_att, _, message = owner_parts(owner)
       if owner_att == att and message ~= '' then
         redis.call('SET', K.copy .. att, me, 'PX', math.floor(math.max(1, deadline - now) + C.owner_slack_ms))

@@ -108,21 +108,24 @@ def parse_held(raw: bytes | str) -> Held:
 @dataclass(frozen=True)
 class Running:
     attempt: str
+    replica: str  # the replica that claimed it
     host: str
     tier: str
+    max_tokens: int
     key: str
 
 
-def pack_running(attempt: str, host: str, tier: str, key: str) -> str:
-    """The member HEDGE_LUA parses: the key last, as it may hold anything; a host never
-    holds a '|'."""
-    return f"{attempt}|{host.replace('|', '_')}|{tier}|{key}"
+def pack_running(attempt: str, replica: str, host: str, tier: str, max_tokens: int, key: str) -> str:
+    """The member HEDGE_LUA parses: the key last, as it may hold anything; a replica's
+    name and its host never hold a '|'."""
+    return f"{attempt}|{replica.replace('|', '_')}|{host.replace('|', '_')}|{tier}|{max_tokens}|{key}"
 
 
 def parse_running(raw: bytes | str) -> Running:
+    """ValueError for a member that does not read (written by another version)."""
     text = raw.decode() if isinstance(raw, bytes) else raw
-    attempt, host, tier, key = text.split("|", 3)
-    return Running(attempt, host, tier, key)
+    attempt, replica, host, tier, max_tokens, key = text.split("|", 5)
+    return Running(attempt, replica, host, tier, int(max_tokens), key)
 
 
 # -- the replica's registry entry -------------------------------------------------------

@@ -64,9 +64,17 @@ def pack(previous: Previous) -> str:
     return json.dumps(asdict(previous), separators=(",", ":"))
 
 
+_TYPES = {"options": str, "prompt_chars": int, "prompt_digest": str, "text": str, "finish_reason": str}
+
+
 def parse(raw: bytes | str) -> Previous | None:
     """None for a record that does not read (written by another version, or damaged)."""
     try:
-        return Previous(**json.loads(raw))
-    except (ValueError, TypeError):
+        fields = json.loads(raw)
+    except ValueError:
         return None
+    if not isinstance(fields, dict) or set(fields) != set(_TYPES):
+        return None
+    if not all(type(fields[name]) is kind for name, kind in _TYPES.items()):
+        return None
+    return Previous(**fields)

@@ -290,10 +290,22 @@ class ReplicaBroker:
         launches = self._others(replies[-1]) if idle_until_ms is not None else None
         return Answered(wasted, launches, won, len(copied) - won)
 
-    def reply(self, items: Iterable[Reply], jobs: list[p.Job], idle: tuple[str, float] | None = None) -> None:
-        """Send `items` (with `idle`, (model, until ms): and join the idle list)."""
+    def reply(
+        self,
+        items: Iterable[Reply],
+        jobs: list[p.Job],
+        idle: tuple[str, float] | None = None,
+        copies: Sequence[bool] = (),
+    ) -> None:
+        """Send `items` (with `idle`, (model, until ms): and join the idle list; `copies`
+        flags the items of second copies, sent apart: `deliver`)."""
         pipe = self.redis.pipeline(transaction=False)
-        self._reply(pipe, list(items), jobs)
+        listed = list(items)
+        own = [i for i in range(len(jobs)) if not (copies and copies[i])]
+        self._reply(pipe, [listed[i] for i in own], [jobs[i] for i in own])
+        if any(copies):
+            copied = [i for i in range(len(jobs)) if copies[i]]
+            self._reply(pipe, [listed[i] for i in copied], [jobs[i] for i in copied], copies=True)
         if idle is not None:
             self._idle(pipe, *idle)
         pipe.execute()

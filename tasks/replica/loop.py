@@ -192,13 +192,20 @@ class Loop:
         for pd in batch:
             job = held(pd).job
             if not job.stream:  # a stream's text must come from one run
-                held(pd).member = records.pack_running(pd.id, host, pd.tier, job.key)
+                held(pd).member = records.pack_running(pd.id, r.name, host, pd.tier, job.max_tokens, job.key)
                 mine.append((held(pd).member, pd.deadline_ms))
+        # A copy no longer than the batch's own requests: it must not make the batch longer.
+        longest = max(held(pd).job.max_tokens for pd in batch)
+        ids = {pd.id for pd in batch}
         candidates = []
         for raw, deadline in running:
-            entry = records.parse_running(raw)
-            tier = PAID if entry.tier == PAID else FREE
-            candidates.append(hedging.Candidate(raw.decode(), tier, deadline, entry.host))
+            try:
+                entry = records.parse_running(raw)
+            except ValueError:
+                continue  # another version's member: it leaves the set at its deadline
+            if entry.attempt not in ids and entry.max_tokens <= longest:
+                tier = PAID if entry.tier == PAID else FREE
+                candidates.append(hedging.Candidate(raw.decode(), tier, deadline, entry.host))
         room = r.collector.config.max_batch - len(batch)
         margin = r.collector.config.margin_ms
         chosen = [c.key for c in hedging.pick(r.config.hedge, room, host, finish_ms, margin, candidates)]
@@ -238,8 +245,6 @@ class Loop:
         """Answer every finished request in one pipeline; at the end of a static batch the
         replica is idle again and times its next batch from its peers' launches."""
         r = self.replica
-        # A copy's failure is not its request's: only its own run answers that.
-        finished = [(pd, out, start) for pd, out, start in finished if not (held(pd).copy and out.error)]
         jobs = [held(pending).job for pending, _out, _start in finished]
         items = [self.result(held(pd).job, out, batch_size, start, end, held(pd).copy) for pd, out, start in finished]
         copies = [held(pd).copy for pd, _out, _start in finished]
@@ -247,14 +252,17 @@ class Loop:
         for job in jobs:
             r.streams.forget(job.id)
         idle_until = r.idle_until_ms() if ends_batch else None
+        # Another cell takes answers without the owner's check: never a copy's failure there.
+        kept = [i for i, item in enumerate(items) if not (copies[i] and item.kind == "failed")]
+        spare = ([items[i] for i in kept], [jobs[i] for i in kept])
         sent = False
         if r.fallback is not None and r.doubt.failed_within(BROKER_DOUBT_MS):
-            sent = r.fallback.send(items, jobs)  # first: the broker's own answer may be a bound away
+            sent = r.fallback.send(*spare)  # first: the broker's own answer may be a bound away
         try:
             answered = r.broker.deliver(r.model, items, jobs, end, r.lease_ms(), idle_until, copies, members)
         except BrokerError:
             r.doubt.failed()
-            if not sent and (r.fallback is None or not r.fallback.send(items, jobs)):
+            if not sent and (r.fallback is None or not r.fallback.send(*spare)):
                 raise
             log.warning("the broker did not take %d answers: sent through another cell", len(items))
             r.stats.ran(len(jobs), batch_size)
@@ -306,7 +314,6 @@ class Loop:
         r.joined.clear()
         r.streams.clear()
         batch = [pd for pd in self.in_hand if pd.id not in {rp.id for rp in running}] + running
-        batch = [pd for pd in batch if not held(pd).copy]  # a copy's request is answered by its own run
         self.in_hand = []
         r.busy = self.policy.running()  # a static batch on the engine goes on
         if not batch:
@@ -321,7 +328,8 @@ class Loop:
         jobs = [held(pending).job for pending in batch]
         failures = [p.Failed(id=job.id, message=message, replica=r.name) for job in jobs]
         running = self.policy.running()
-        r.broker.reply(failures, jobs, idle=None if running else (r.model, r.idle_until_ms()))
+        copies = [held(pending).copy for pending in batch]  # a copy's failure is not its request's
+        r.broker.reply(failures, jobs, idle=None if running else (r.model, r.idle_until_ms()), copies=copies)
         r.busy = running
         r.wake()
         r.events.failed(batch, message)

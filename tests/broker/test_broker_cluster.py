@@ -255,7 +255,9 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
 
     # Free-slot hedging: r1's request in the running set, a copy taken by r2.
     assert _admit(s, "t:g", "att-g", "gw-1")[0] == 1
-    member = "att-g|host-a|paid|t:g"
+    cluster.set(keys.claim_key("att-g"), "r1", px=60_000)  # r1 runs it, its lease alive
+    cluster.set(keys.lease_key("r1"), 1, px=60_000)
+    member = "att-g|r1|host-a|paid|16|t:g"
     assert s.hedge(keys=[keys.running_key(MODEL)], args=[MODEL, "r1", 1, now + 60_000, member]) == []
     assert s.hedge(keys=[keys.running_key(MODEL)], args=[MODEL, "r2", 0, member]) == [
         b'{"properties":{"priority":0},"body":"MSG-att-g"}'

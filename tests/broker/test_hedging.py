@@ -17,6 +17,7 @@ from control.core.clock import BrokerClock
 from control.core.settings import Settings
 from control.fleet.valkey import EmbeddedBroker
 from tasks.celery.app import make_celery
+from tasks.engine.contract import StepOutput
 from tasks.engine.fixed import FixedLatencyEngine
 from tasks.policy.collector import CollectorConfig
 from tasks.policy.hedging import HedgeMode
@@ -85,6 +86,42 @@ def test_an_empty_slot_on_another_host_answers_a_request_whose_own_run_is_slow(
         assert slow.stats.wasted_slots == 1
         assert _answers(state, items) == 2 and len(items["a1"]) == 1  # answered once
         assert state.zcard(keys.running_key(MODEL)) == 0
+    finally:
+        quick.stop()
+        slow.stop()
+
+
+class PoisonEngine(FixedLatencyEngine):
+    """Raises for a whole batch that holds a prompt with POISON in it (as a forward pass would)."""
+
+    def step(self) -> list[StepOutput]:
+        if any("POISON" in r.job.prompt for r in self.running.values()):
+            raise RuntimeError("shape mismatch")
+        return super().step()
+
+
+def test_a_copy_that_fails_leaves_its_request_to_its_own_run(state: redis.Redis) -> None:
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    slow = _replica(state, "r-slow", "host-a", 1_500.0, "all")
+    collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=100.0)
+    config = ReplicaConfig("r-quick", MODEL, collector, lease_ms=2000.0, host="host-b", hedge="all")
+    quick = Replica(config, PoisonEngine(max_batch=4, batch_ms=100.0), state, BrokerClock(state))
+    slow.start()
+    quick.start()
+    try:
+        now = BrokerClock(state).now_ms()
+        poison = _admit(state, messages, 1, "free", now)
+        poison.prompt = "POISON"  # only the quick replica's engine fails on it
+        state.set(keys.owner_key(poison.key), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a1||{messages(poison)}")
+        slow.submit(poison)
+        assert until(lambda: slow.busy, 5)
+        quick.submit(_admit(state, messages, 2, "free", now))
+        items: dict[str, list[dict]] = {}
+        assert until(lambda: _answers(state, items) >= 2, 8)
+        assert [(i["kind"], i["replica"]) for i in items["a1"]] == [("result", "r-slow")]
+        assert items["a2"][0]["kind"] == "result"
+        assert quick.stats.hedged == 1 and quick.stats.hedge_wins == 0
+        assert state.get(keys.copy_key("a1")) is None  # the copy's record went with it
     finally:
         quick.stop()
         slow.stop()

@@ -329,8 +329,12 @@ def test_a_broker_at_its_memory_limit_still_answers_the_locked_sweep(state: redi
 def test_a_hedge_copies_a_running_request_once_and_the_sweep_leaves_it_to_the_copy(state: redis.Redis) -> None:
     message = _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     _hold(state, "r1", "acme:r2", "a2", FAR_MS)
+    assert scripts.Claim(state)("r1", 60_000, ["a1", "a2"]) == [True, True]
+    state.set(keys.lease_key("r1"), "1")
     hedge = scripts.Hedge(state)
-    members = [records.pack_running(a, "host-a", "paid", f"acme:{r}") for a, r in (("a1", "r1"), ("a2", "r2"))]
+    members = [
+        records.pack_running(a, "r1", "host-a", "paid", 16, f"acme:{r}") for a, r in (("a1", "r1"), ("a2", "r2"))
+    ]
     assert hedge(MODEL, "r1", [(m, FAR_MS) for m in members], []) == []  # r1 runs them: in the running set
     assert state.zcard(keys.running_key(MODEL)) == 2
     scripts.Cancel(state)("acme:r2", "cancelled")
@@ -339,22 +343,50 @@ def test_a_hedge_copies_a_running_request_once_and_the_sweep_leaves_it_to_the_co
     assert state.get(keys.copy_key("a1")) == b"r3"
     assert hedge(MODEL, "r4", [], members) == []
     # r1 dies while r3, alive, runs the copy: r3 holds the request now, nothing is re-queued.
+    state.delete(keys.lease_key("r1"))
     state.set(keys.lease_key("r3"), "1")
     assert scripts.SweepDead(state)(265)[:3] == (1, 0, 0)
     assert state.llen(keys.queue_key(MODEL, "paid")) == 0
     assert state.hkeys(keys.held_key("r3")) == [b"a1"] and state.get(keys.claim_key("a1")) == b"r3"
-    # The copy answers; a late answer of the first run is wasted, and counted as such, not as a hedge.
+    # The copy answers and its record goes; a late answer of the first run is wasted, counted as such.
     copy = [scripts.Delivery("acme:r1", "a1", 0, "result", _result("a1"), "gw-a")]
     assert scripts.Deliver(state)("r3", copy, copies=True) == scripts.Delivered(1, 0)
-    assert state.hgetall(keys.held_key("r3")) == {}
+    assert state.hgetall(keys.held_key("r3")) == {} and state.get(keys.copy_key("a1")) is None
     assert scripts.Deliver(state)("r1", copy, copies=True) == scripts.Delivered(0, 1)
     assert state.get(keys.HEDGE_WASTED_KEY) == b"1" and state.get(keys.WASTED_KEY) is None
+
+
+def test_a_member_left_by_a_dead_replica_is_not_copied_once_its_request_is_requeued(state: redis.Redis) -> None:
+    _hold(state, "r1", "acme:r1", "a1", FAR_MS)
+    assert scripts.Claim(state)("r1", 60_000, ["a1"]) == [True]
+    member = records.pack_running("a1", "r1", "host-a", "paid", 16, "acme:r1")
+    scripts.Hedge(state)(MODEL, "r1", [(member, FAR_MS)], [])
+    assert scripts.SweepDead(state)(265)[:2] == (1, 1)  # r1 had no lease: re-queued, under the same attempt
+    assert scripts.Hedge(state)(MODEL, "r2", [], [member]) == []  # queued, not running on r1: no copy
+    assert state.get(keys.copy_key("a1")) is None
+
+
+def test_a_copys_failure_reaches_no_client_unless_the_request_was_handed_to_it(state: redis.Redis) -> None:
+    _admit(state, "acme:r1", "a1", "gw-a")
+    _admit(state, "acme:r2", "a2", "gw-a")
+    for attempt in ("a1", "a2"):
+        state.set(keys.copy_key(attempt), "r3")
+    held = records.pack_held(FAR_MS, keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid"), "acme:r2")
+    state.hset(keys.held_key("r3"), "a2", held)  # a sweep handed a2 to r3: its copy is a2's only run
+    failed = [
+        scripts.Delivery(f"acme:r{i}", f"a{i}", 0, "failed", f'{{"kind":"failed","id":"a{i}"}}', "") for i in (1, 2)
+    ]
+    assert scripts.Deliver(state)("r3", failed, copies=True) == scripts.Delivered(1, 0)
+    reply = json.loads(state.lpop(keys.reply_key("gw-a")))  # type: ignore[arg-type]
+    assert [item["id"] for item in reply["items"]] == ["a2"]
+    assert state.get(keys.owner_key("acme:r1")) is not None  # a1 still waits for its own run
+    assert state.get(keys.copy_key("a1")) is None and state.get(keys.copy_key("a2")) is None
 
 
 def test_the_running_set_sheds_what_is_past_its_deadline(state: redis.Redis) -> None:
     seconds, micros = state.time()
     now = seconds * 1000 + micros / 1000
-    old = records.pack_running("a1", "host-a", "free", "acme:r1")
+    old = records.pack_running("a1", "r1", "host-a", "free", 16, "acme:r1")
     scripts.Hedge(state)(MODEL, "r1", [(old, now - 1)], [])
     assert state.zcard(keys.running_key(MODEL)) == 1
     assert scripts.Hedge(state)(MODEL, "r2", [], [old]) == []  # the next call sheds it first

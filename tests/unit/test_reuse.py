@@ -32,3 +32,10 @@ def test_anything_else_goes_to_the_model() -> None:
 def test_the_record_packs_and_a_damaged_one_reads_as_none() -> None:
     assert reuse.parse(reuse.pack(_previous())) == _previous()
     assert reuse.parse(b"{not json") is None and reuse.parse(b'{"text": "x"}') is None
+    damaged = (
+        reuse.pack(_previous())
+        .replace('"prompt_chars":', '"prompt_chars":"')
+        .replace(',"prompt_digest"', '","prompt_digest"')
+    )
+    assert reuse.parse(damaged) is None  # a length as a string: never a TypeError on the request path
+    assert reuse.parse(b"[1]") is None
