@@ -196,13 +196,15 @@ class ReplicaBroker:
         dropped: list[tuple[p.Job, str]],
         claim: tuple[float, int, float] | None,
         scan_from_ms: float | None = None,
+        running: Sequence[tuple[str, float]] = (),
     ) -> Settled | None:
         """One pipeline: held records of paid requests taken at this launch (those with a
         message), out of the waiting sets for all that leave, Dropped notices, and with
         `claim` (lease ms, claim ttl ms, now) the claim of the launched requests, out of
-        the idle list, into the launch list; with `scan_from_ms` too, the model's running
-        requests whose deadline is no earlier (what a hedge may copy). Returns what a claim
-        answered, else None."""
+        the idle list, into the launch list; with `scan_from_ms` too, the batch's requests
+        into the model's running set (`running`: member, deadline), what is past its deadline
+        out of it, and the running requests whose deadline is no earlier than `scan_from_ms`
+        (what a hedge may copy). Returns what a claim answered, else None."""
         pipe = self.redis.pipeline(transaction=False)
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
@@ -222,16 +224,23 @@ class ReplicaBroker:
         pipe.zadd(launches, {self.name: now})
         pipe.zrange(launches, 0, -1, withscores=True)
         if scan_from_ms is not None:
-            pipe.zrangebyscore(keys.running_key(model), int(scan_from_ms), "+inf", 0, HEDGE_SCAN, withscores=True)
+            running_key = keys.running_key(model)
+            pipe.zremrangebyscore(running_key, "-inf", int(now))
+            if running:
+                pipe.zadd(running_key, {member: int(deadline) for member, deadline in running})
+            pipe.zrangebyscore(running_key, int(scan_from_ms), "+inf", 0, HEDGE_SCAN, withscores=True)
         replies = pipe.execute()
-        running = replies.pop() if scan_from_ms is not None else []
+        found: list[tuple[bytes, float]] = []
+        if scan_from_ms is not None:
+            found = replies.pop()
+            del replies[-(2 if running else 1) :]  # the trim and the adds
         *_, claimed, _, peers_idle, _, peer_launches = replies
-        return Settled(scripts.Claim.answer(claimed), peers_idle > 0, self._others(peer_launches), running)
+        return Settled(scripts.Claim.answer(claimed), peers_idle > 0, self._others(peer_launches), found)
 
-    def hedge(self, model: str, running: list[tuple[str, float]], chosen: list[str]) -> list[tuple[p.Job, str]]:
-        """Add this batch's requests (member, deadline) to the model's running set, and
-        take copies of the `chosen` members that still wait: their jobs and messages."""
-        raws = self._hedge(model, self.name, running, chosen) or []
+    def hedge(self, model: str, chosen: list[str]) -> list[tuple[p.Job, str]]:
+        """Take copies of the `chosen` members of the model's running set that still run
+        where they were claimed: their jobs and messages."""
+        raws = self._hedge(model, self.name, [], chosen) or []
         jobs = []
         for raw in raws:
             try:

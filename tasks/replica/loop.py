@@ -163,6 +163,7 @@ class Loop:
                 [(held(pd).job, reason) for reason, group in dropped.items() for pd in group],
                 claim,
                 scan_from,
+                self._running_members(batch) if scan_from is not None else (),
             )
         except BrokerError:
             if r.fallback is None or not batch:
@@ -181,19 +182,26 @@ class Loop:
         self._count_dropped(dropped)
         return batch
 
-    def hedge(self, batch: list[Pending], running: list[tuple[bytes, float]], finish_ms: float) -> list[Pending]:
-        """Free-slot hedging: the batch's requests join the model's running set, and its
-        empty slots take second copies of requests running on another host
-        (tasks/policy/hedging.py); the copies to add to the batch. A copy is neither held
-        nor claimed here: the first answer wins, the other is counted as a wasted hedge."""
+    def _running_members(self, batch: list[Pending]) -> list[tuple[str, float]]:
+        """The batch's entries in the model's running set (member, deadline), written with
+        its claim: what another host's batch may copy (`hedge`)."""
         r = self.replica
         host = r.host()
-        mine: list[tuple[str, float]] = []
+        members = []
         for pd in batch:
             job = held(pd).job
             if not job.stream:  # a stream's text must come from one run
                 held(pd).member = records.pack_running(pd.id, r.name, host, pd.tier, job.max_tokens, job.key)
-                mine.append((held(pd).member, pd.deadline_ms))
+                members.append((held(pd).member, pd.deadline_ms))
+        return members
+
+    def hedge(self, batch: list[Pending], running: list[tuple[bytes, float]], finish_ms: float) -> list[Pending]:
+        """Free-slot hedging: the batch's empty slots take second copies of requests running
+        on another host (tasks/policy/hedging.py); the copies to add to the batch. A copy is
+        neither held nor claimed here: the first answer wins, the other is counted as a
+        wasted hedge. One script call, only when there is something to copy."""
+        r = self.replica
+        host = r.host()
         # A copy no longer than the batch's own requests: it must not make the batch longer.
         longest = max(held(pd).job.max_tokens for pd in batch)
         ids = {pd.id for pd in batch}
@@ -209,10 +217,10 @@ class Loop:
         room = r.collector.config.max_batch - len(batch)
         margin = r.collector.config.margin_ms
         chosen = [c.key for c in hedging.pick(r.config.hedge, room, host, finish_ms, margin, candidates)]
-        if not mine and not chosen:
+        if not chosen:
             return []
         try:
-            taken = r.broker.hedge(r.model, mine, chosen)
+            taken = r.broker.hedge(r.model, chosen)
         except BrokerError:
             r.doubt.failed()
             log.warning("could not take second copies for the batch's empty slots")
