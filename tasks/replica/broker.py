@@ -173,13 +173,7 @@ class ReplicaBroker:
         peer_launches = self._others(results.pop()) if launches else None
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
-        raws = [raw for popped in results[1 if ids else 0 :] for raw in popped or []]
-        jobs = []
-        for raw in raws:
-            try:
-                jobs.append((job_from_message(raw), raw.decode()))
-            except (ValueError, KeyError, TypeError, IndexError):
-                log.warning("dropping a malformed paid message")
+        jobs = _jobs_of([raw for popped in results[1 if ids else 0 :] for raw in popped or []], "queued")
         if jobs:  # rare: late paid requests may have been cancelled while queued
             late = [job.id for job, _raw in jobs]
             # The client does not decode replies: the values are bytes.
@@ -240,14 +234,7 @@ class ReplicaBroker:
     def hedge(self, model: str, chosen: list[str]) -> list[tuple[p.Job, str]]:
         """Take copies of the `chosen` members of the model's running set that still run
         where they were claimed: their jobs and messages."""
-        raws = self._hedge(model, self.name, [], chosen) or []
-        jobs = []
-        for raw in raws:
-            try:
-                jobs.append((job_from_message(raw), raw.decode()))
-            except (ValueError, KeyError, TypeError, IndexError):
-                log.warning("dropping a malformed message of a running request")
-        return jobs
+        return _jobs_of(self._hedge(model, self.name, [], chosen) or [], "running")
 
     def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:
         """Out of the waiting sets admission counts: the tier's (in line or behind other
@@ -278,15 +265,12 @@ class ReplicaBroker:
         items that answer a second copy (a hedge): those go in a delivery of their own,
         which counts the ones that came first. `running`: this replica's members of the
         model's running set that leave it."""
-        copied = [i for i, flag in enumerate(copies) if flag]
-        own = [i for i in range(len(jobs)) if i not in set(copied)] if copied else list(range(len(jobs)))
         pipe = self.redis.pipeline(transaction=False)
-        self._reply(pipe, [items[i] for i in own], [jobs[i] for i in own])
-        if copied:
-            self._reply(pipe, [items[i] for i in copied], [jobs[i] for i in copied], copies=True)
+        own, copied = self._reply_apart(pipe, items, jobs, copies)
         if running:
             pipe.zrem(keys.running_key(model), *running)
-        done = ((jobs[i].tier, end_ms - jobs[i].received_ms) for i in own)
+        flags = copies or [False] * len(jobs)
+        done = ((job.tier, end_ms - job.received_ms) for job, copy in zip(jobs, flags, strict=True) if not copy)
         traffic.record_done(pipe, model, done, end_ms)
         if idle_until_ms is not None:
             self._idle(pipe, model, idle_until_ms)
@@ -297,7 +281,7 @@ class ReplicaBroker:
         wasted = scripts.Deliver.answer(replies[0]).wasted if own else 0  # results nobody waited for
         won = scripts.Deliver.answer(replies[1 if own else 0]).delivered if copied else 0
         launches = self._others(replies[-1]) if idle_until_ms is not None else None
-        return Answered(wasted, launches, won, len(copied) - won)
+        return Answered(wasted, launches, won, copied - won)
 
     def reply(
         self,
@@ -309,15 +293,23 @@ class ReplicaBroker:
         """Send `items` (with `idle`, (model, until ms): and join the idle list; `copies`
         flags the items of second copies, sent apart: `deliver`)."""
         pipe = self.redis.pipeline(transaction=False)
-        listed = list(items)
-        own = [i for i in range(len(jobs)) if not (copies and copies[i])]
-        self._reply(pipe, [listed[i] for i in own], [jobs[i] for i in own])
-        if any(copies):
-            copied = [i for i in range(len(jobs)) if copies[i]]
-            self._reply(pipe, [listed[i] for i in copied], [jobs[i] for i in copied], copies=True)
+        self._reply_apart(pipe, list(items), jobs, copies)
         if idle is not None:
             self._idle(pipe, *idle)
         pipe.execute()
+
+    def _reply_apart(
+        self, pipe: redis.client.Pipeline, items: Sequence[Reply], jobs: list[p.Job], copies: Sequence[bool]
+    ) -> tuple[int, int]:
+        """Queue the delivery of a batch's own items, then of its copies' (flagged in
+        `copies`, empty: none) in a delivery of their own; returns how many of each."""
+        flags = copies or [False] * len(jobs)
+        own = [(item, job) for item, job, copy in zip(items, jobs, flags, strict=True) if not copy]
+        copied = [(item, job) for item, job, copy in zip(items, jobs, flags, strict=True) if copy]
+        for group, are_copies in ((own, False), (copied, True)):
+            if group:
+                self._reply(pipe, [item for item, _ in group], [job for _, job in group], copies=are_copies)
+        return len(own), len(copied)
 
     def _reply(
         self, pipe: redis.client.Pipeline, items: Sequence[Reply], jobs: list[p.Job], copies: bool = False
@@ -386,6 +378,18 @@ class ReplicaBroker:
         pipe.zrem(keys.idle_key(old), self.name)
         pipe.set(keys.assignment_key(self.name), new)
         pipe.execute()
+
+
+def _jobs_of(raws: Iterable[bytes], what: str) -> list[tuple[p.Job, str]]:
+    """The jobs of queue messages taken by a script, with the messages; a malformed one
+    is logged and dropped."""
+    jobs = []
+    for raw in raws:
+        try:
+            jobs.append((job_from_message(raw), raw.decode()))
+        except (ValueError, KeyError, TypeError, IndexError):
+            log.warning("dropping a malformed message of a %s request", what)
+    return jobs
 
 
 def _fallback(item: Reply, job: p.Job) -> str:
