@@ -737,26 +737,24 @@ return out
 
 # Free-slot hedging (tasks/policy/hedging.py): the model's running set holds one member per
 # request running now, "attempt|replica|host|tier|max tokens|key", scored by its deadline.
-# A replica adds its batch's requests once it has claimed them, and takes second copies for
-# its batch's empty slots: each chosen member leaves the set (one copy at most) and, while
+# A replica adds its batch's requests in its claim's pipeline (which also trims what is past
+# its deadline: tasks/replica/broker.py), and takes out its own when it answers them. This
+# script takes second copies for a batch's empty slots: each chosen member leaves the set
+# (one copy at most) and, while
 # its request waits under that attempt and runs on that member's replica (its claim, its
 # lease alive: not a member left by a dead replica whose request was re-queued), its copy
 # is recorded (`K.copy`: the sweep leaves the request to the copy's replica when the first
-# one dies) and its queue message returned. Entries past
-# their deadline leave the set here, and a replica takes its own out when it answers them.
-# ARGV: model, replica, the number of new members, then per new member its deadline and
-# itself, then the members chosen to copy. Returns the copies' queue messages.
+# one dies) and its queue message returned.
+# ARGV: model, replica, then the members chosen to copy. Returns the copies' queue messages.
 HEDGE_LUA = (
     LUA_LIB
     + """
 local running, me, now = K.running .. ARGV[1], ARGV[2], now_ms()
-redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
-local n = tonumber(ARGV[3])
-if n > 0 then call_many('ZADD', running, {unpack(ARGV, 4, 3 + 2 * n)}) end
 local out = {}
-for i = 4 + 2 * n, #ARGV do
+for i = 3, #ARGV do
   local member = ARGV[i]
   local deadline = tonumber(redis.call('ZSCORE', running, member))
+  if deadline and deadline <= now then deadline = nil end  -- past: the next claim's trim takes it
   local cuts, at = {}, 0
   for _ = 1, 5 do
     at = at and string.find(member, '|', at + 1, true)

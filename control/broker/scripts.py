@@ -275,28 +275,13 @@ class Claim(_Registered):
 
 
 class Hedge(_Registered):
-    """Add a batch's requests to the model's running set and take second copies of
-    others' for its empty slots (control/broker/lua.py's `HEDGE_LUA`); with `pipe` the
-    call is queued on it."""
+    """Take second copies of the `chosen` members of the model's running set for a batch's
+    empty slots (control/broker/lua.py's `HEDGE_LUA`): their queue messages."""
 
     SOURCE = HEDGE_LUA
 
-    def __call__(
-        self,
-        model: str,
-        replica: str,
-        running: Sequence[tuple[str, float]],
-        chosen: Sequence[str],
-        pipe: redis.client.Pipeline | None = None,
-    ) -> list[bytes] | None:
-        """`running`: (member, deadline ms) of each request the batch runs; `chosen`: the
-        members to copy. Returns the copies' queue messages (None on a pipeline)."""
-        args: list[EncodableT] = [model, replica, len(running)]
-        for member, deadline in running:
-            args += [int(deadline), member]
-        args += list(chosen)
-        raw = self._run([keys.running_key(model)], args, pipe)
-        return None if pipe is not None else list(raw)
+    def __call__(self, model: str, replica: str, chosen: Sequence[str]) -> list[bytes]:
+        return list(self._run([keys.running_key(model)], [model, replica, *chosen]))
 
 
 class Supersede(_Registered):

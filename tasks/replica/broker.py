@@ -234,7 +234,7 @@ class ReplicaBroker:
     def hedge(self, model: str, chosen: list[str]) -> list[tuple[p.Job, str]]:
         """Take copies of the `chosen` members of the model's running set that still run
         where they were claimed: their jobs and messages."""
-        return _jobs_of(self._hedge(model, self.name, [], chosen) or [], "running")
+        return _jobs_of(self._hedge(model, self.name, chosen) or [], "running")
 
     def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:
         """Out of the waiting sets admission counts: the tier's (in line or behind other

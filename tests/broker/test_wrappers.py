@@ -335,13 +335,13 @@ def test_a_hedge_copies_a_running_request_once_and_the_sweep_leaves_it_to_the_co
     members = [
         records.pack_running(a, "r1", "host-a", "paid", 16, f"acme:{r}") for a, r in (("a1", "r1"), ("a2", "r2"))
     ]
-    assert hedge(MODEL, "r1", [(m, FAR_MS) for m in members], []) == []  # r1 runs them: in the running set
+    state.zadd(keys.running_key(MODEL), dict.fromkeys(members, FAR_MS))  # r1 runs them, as its claim adds them
     assert state.zcard(keys.running_key(MODEL)) == 2
     scripts.Cancel(state)("acme:r2", "cancelled")
-    assert hedge(MODEL, "r3", [], members) == [message]  # a2's client went: no copy of it
+    assert hedge(MODEL, "r3", members) == [message]  # a2's client went: no copy of it
     assert state.zcard(keys.running_key(MODEL)) == 0  # one copy at most: taken out of the set
     assert state.get(keys.copy_key("a1")) == b"r3"
-    assert hedge(MODEL, "r4", [], members) == []
+    assert hedge(MODEL, "r4", members) == []
     # r1 dies while r3, alive, runs the copy: r3 holds the request now, nothing is re-queued.
     state.delete(keys.lease_key("r1"))
     state.set(keys.lease_key("r3"), "1")
@@ -360,9 +360,9 @@ def test_a_member_left_by_a_dead_replica_is_not_copied_once_its_request_is_reque
     _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     assert scripts.Claim(state)("r1", 60_000, ["a1"]) == [True]
     member = records.pack_running("a1", "r1", "host-a", "paid", 16, "acme:r1")
-    scripts.Hedge(state)(MODEL, "r1", [(member, FAR_MS)], [])
+    state.zadd(keys.running_key(MODEL), {member: FAR_MS})
     assert scripts.SweepDead(state)(265)[:2] == (1, 1)  # r1 had no lease: re-queued, under the same attempt
-    assert scripts.Hedge(state)(MODEL, "r2", [], [member]) == []  # queued, not running on r1: no copy
+    assert scripts.Hedge(state)(MODEL, "r2", [member]) == []  # queued, not running on r1: no copy
     assert state.get(keys.copy_key("a1")) is None
 
 
@@ -386,8 +386,11 @@ def test_a_copys_failure_reaches_no_client_unless_the_request_was_handed_to_it(s
 def test_the_running_set_sheds_what_is_past_its_deadline(state: redis.Redis) -> None:
     seconds, micros = state.time()
     now = seconds * 1000 + micros / 1000
+    from tasks.replica.broker import ReplicaBroker
+
     old = records.pack_running("a1", "r1", "host-a", "free", 16, "acme:r1")
-    scripts.Hedge(state)(MODEL, "r1", [(old, now - 1)], [])
+    state.zadd(keys.running_key(MODEL), {old: now - 1})
     assert state.zcard(keys.running_key(MODEL)) == 1
-    assert scripts.Hedge(state)(MODEL, "r2", [], [old]) == []  # the next call sheds it first
-    assert state.zcard(keys.running_key(MODEL)) == 0
+    assert scripts.Hedge(state)(MODEL, "r2", [old]) == []  # past its deadline: no copy
+    ReplicaBroker(state, "r2", lambda job: "").settle(MODEL, [], [], (300.0, 1000, now), scan_from_ms=now)
+    assert state.zcard(keys.running_key(MODEL)) == 0  # the next claim sheds it
