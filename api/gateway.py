@@ -158,10 +158,8 @@ class Gateway:
         a start of it, and the cell that keeps the session; None: the model answers it. A
         request answered so supersedes the session's request in flight, as admission would."""
         window_ms = int(self.settings.reuse_window_s * 1000)
-        if window_ms <= 0 or job.stream or job.keep_ms > 0:  # a request id's retries get its stored answer
-            return None
-        cell = self.cells[cell_order(session_key, len(self.cells))[0]]
-        if cell.health.is_down:
+        cell = self._session_cell(job, session_key)
+        if cell is None:
             return None
         options = _options(job)
         try:
@@ -194,13 +192,20 @@ class Gateway:
         )
         return result, cell.index
 
+    def _session_cell(self, job: p.Job, session_key: str) -> Cell | None:
+        """The cell that keeps the session's last completion, where reuse applies to this
+        request: on, not a stream, not a request id whose answer is kept (its retries get
+        that answer), and the cell not down."""
+        if self.settings.reuse_window_s <= 0 or job.stream or job.keep_ms > 0:
+            return None
+        cell = self.cells[cell_order(session_key, len(self.cells))[0]]
+        return None if cell.health.is_down else cell
+
     def remember(self, job: p.Job, session_key: str, result: p.Result) -> None:
         """Keep a session's completion for its next request (`reuse`)."""
         window_ms = int(self.settings.reuse_window_s * 1000)
-        if window_ms <= 0 or job.stream or job.keep_ms > 0 or not result.text:
-            return
-        cell = self.cells[cell_order(session_key, len(self.cells))[0]]
-        if cell.health.is_down:
+        cell = self._session_cell(job, session_key)
+        if cell is None or not result.text:
             return
         kept = reuse.remember(_options(job), job.prompt, result.text, result.finish_reason)
         try:
