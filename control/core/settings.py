@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     hand_back_pulls: bool = Field(
         True, description="a request a pull sent before the gate shut brings goes back to the front of its queue"
     )
+    hand_back_rest: bool = Field(
+        True,
+        description="what a static batch leaves in its replica's buffer goes back to the front of its queue, "
+        "for a peer's earlier start; urgency then looks three quarters of a slot ahead",
+    )
 
     # Deadlines and admission.
     deadline_ms: float = Field(600.0, gt=0, description="default budget when X-Deadline-Ms is absent")

@@ -45,6 +45,9 @@ class SimConfig:
     # it for its next batch (KEYBATCH_HAND_BACK_PULLS=0); "none": a gate that also stops a
     # BRPOP already sent (no such consumer exists; what the simulator did before).
     pull_in_flight: str = "hand_back"
+    # What a static batch leaves in its replica's buffer goes back to the front of the queue
+    # for the model's next start, and urgency looks that far (KEYBATCH_HAND_BACK_REST).
+    hand_back_rest: bool = True
 
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:

@@ -97,7 +97,11 @@ class ReplicaSide(SimState):
         gone = {p.id for p in collector.waiting if self.state[p.payload] != WAITING}
         if gone:
             collector.remove(gone)
-        collector.urgent_before_ms = now + group.batch_ms  # this replica's batch after the next
+        peers = self._peer_launches(replica)
+        horizon = group.batch_ms
+        if self.config.hand_back_rest:
+            horizon = collector.urgent_horizon_ms(now, peers, group.batch_ms)
+        collector.urgent_before_ms = now + horizon
         room = collector.num_free()
         while room and group.paid_queue:
             j = group.paid_queue.popleft()
@@ -115,6 +119,8 @@ class ReplicaSide(SimState):
             self._timer(replica, LAUNCH, now + wait)
             return
         batch = collector.pop_batch()
+        if horizon < group.batch_ms and collector.waiting:
+            self._hand_back(replica, collector.pop_rest({p.id for p in batch}))
         for pending in batch:
             j = pending.payload
             group.num_waiting[self.paid[j]] -= 1
@@ -133,6 +139,19 @@ class ReplicaSide(SimState):
         self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
         self._pull(replica)
+
+    def _hand_back(self, replica: SimReplica, rest: list[Pending]) -> None:
+        """`Loop.settle`'s hand-back: what the batch left goes back to the front of the
+        queue (RPUSH, the first to be taken again last), and a consumer blocked in BRPOP
+        whose gate lets it takes it at once."""
+        group = replica.group
+        for pending in reversed(rest):
+            j = pending.payload
+            (group.paid_queue if self.paid[j] else group.free_queue).appendleft(j)
+        self.stats["rest_handed_back"] += len(rest)
+        for peer in list(group.blocked):
+            if peer is not replica and (group.paid_queue or group.free_queue):
+                self._pull(peer)
 
     def _cycle(self, replica: SimReplica, stepped: bool = False) -> None:
         """`Replica._run_continuous`, one turn: answer what the step finished; drop what was

@@ -21,6 +21,12 @@ start. `not_before_ms` (set by the replica from its peers' launches, see
 `stagger_from`) holds a batch that is not full until one batch time divided by
 the replicas has passed since the latest launch of a peer, so starts spread out
 to every T/R; the deadline term still bounds it.
+
+What a batch leaves in the buffer need not wait for this replica's next batch: where peers
+start in between, `pop_rest` hands it back to the front of the shared queue, for the batch
+that starts next, whoever runs it. Urgency then looks only that far (`next_start_gap_ms`):
+what can wait for the model's next start makes room for a paid request taken late, so
+paid requests ride the next start and free ones the later.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from control.core.vocab import FREE, PAID, Tier
 BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
 LAUNCH_LEAD_MS = 10.0  # a batch closed by a deadline launches this long before its last moment
 STAGGER_TOLERANCE = 0.1  # of a gap: starts spread this evenly are left where they are
+REST_HORIZON = 0.75  # of a slot: how long a request handed back may have to wait for a peer's start
 
 
 @dataclass(slots=True)
@@ -182,6 +189,29 @@ class Collector:
         # Never past the last start of the tightest request buffered (`launch_at`'s bound).
         latest = min((self.latest_start_ms(p) - LAUNCH_LEAD_MS for p in self.waiting), default=math.inf)
         return max(start_ms, min(staggered, latest))
+
+    def urgent_horizon_ms(self, start_ms: float, peer_launches_ms: list[float], slot_ms: float) -> float:
+        """From a batch's start, how far urgency looks: what must start before then rides
+        this batch. With no peer started recently, this replica's next batch, a slot later.
+        With peers, what the batch leaves goes back to the queue (`pop_rest`) for a peer's
+        start, and only `REST_HORIZON` of a slot: a request that can wait that long makes
+        room for a paid one taken late."""
+        if any(start_ms - t < 2 * slot_ms for t in peer_launches_ms):
+            return REST_HORIZON * slot_ms
+        return slot_ms
+
+    def pop_rest(self, launched: set[str]) -> list[Pending]:
+        """Take out what a batch left in the buffer, to go back to the front of the shared
+        queue: earliest deadline first (the first to be taken again). A second copy of a
+        request the batch runs (`launched`) leaves with the rest and is not returned."""
+        rest: list[Pending] = []
+        seen = set(launched)
+        for pending in sorted(self.waiting, key=lambda p: p.deadline_ms):
+            if pending.id not in seen:
+                seen.add(pending.id)
+                rest.append(pending)
+        self.waiting = []
+        return rest
 
     def wait_ms(self, now_ms: float) -> float | None:
         """How long a free replica should wait before it starts a batch (0: now)."""

@@ -191,6 +191,7 @@ class ReplicaBroker:
         claim: tuple[float, int, float] | None,
         scan_from_ms: float | None = None,
         running: Sequence[tuple[str, float]] = (),
+        handed_back: Sequence[p.Job] = (),
     ) -> Settled | None:
         """One pipeline: held records of paid requests taken at this launch (those with a
         message), out of the waiting sets for all that leave, Dropped notices, and with
@@ -198,8 +199,17 @@ class ReplicaBroker:
         the idle list, into the launch list; with `scan_from_ms` too, the batch's requests
         into the model's running set (`running`: member, deadline), what is past its deadline
         out of it, and the running requests whose deadline is no earlier than `scan_from_ms`
-        (what a hedge may copy). Returns what a claim answered, else None."""
+        (what a hedge may copy). `handed_back` (earliest deadline first) leaves the held hash
+        and goes back to the front of its queue, the earliest to be taken first; it stays
+        in the waiting sets. Returns what a claim answered, else None."""
         pipe = self.redis.pipeline(transaction=False)
+        if handed_back:
+            pipe.hdel(keys.held_key(self.name), *[job.id for job in handed_back])
+            fronts: dict[str, list[str]] = defaultdict(list)
+            for job in reversed(handed_back):  # RPUSH: the last one pushed is the first popped
+                fronts[keys.queue_key(job.model, job.tier, job.behind)].append(self.envelope(job))
+            for queue, messages in fronts.items():
+                pipe.rpush(queue, *messages)
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
             pipe.hset(keys.held_key(self.name), mapping=late)

@@ -64,8 +64,8 @@ class Loop:
                 self.policy.finish()
                 if due and self.policy.takes():
                     started = monotonic_ms()  # the take's start: a policy times its lead from it
-                    self.in_hand, dropped = self.take()
-                    self.in_hand = self.settle(self.in_hand, dropped)
+                    self.in_hand, dropped, rest = self.take()
+                    self.in_hand = self.settle(self.in_hand, dropped, rest)
                     self.policy.run(self.in_hand, started)
             except Exception as exc:  # Redis away, a bad message: never let the loop die
                 if isinstance(exc, BrokerError):
@@ -77,7 +77,9 @@ class Loop:
 
     # -- take ----------------------------------------------------------------------
 
-    def take(self) -> tuple[list[Pending], dict[str, list[Pending]]]:
+    def take(self) -> tuple[list[Pending], dict[str, list[Pending]], list[Pending]]:
+        """The batch, what left the buffer (by reason), and what the batch leaves that goes
+        back to the queue (`Policy.pop_rest`)."""
         r = self.replica
         with r.cond:
             ids = r.collector.ids()
@@ -96,10 +98,11 @@ class Loop:
                 r.gate.peers(launches=launches)
                 r.collector.stagger_from(r.gate.peer_launches, r.collector.last_batch, now)
             batch = self.policy.pop(now)
-        if late_paid:  # those launched now are recorded by the launch itself (`settle`)
-            launched = {pending.id for pending in batch}
-            self.policy.record([job for job, _raw in late_paid if job.id not in launched])
-        return batch, {reason: group for reason, group in dropped.items() if group}
+            rest = self.policy.pop_rest(batch)
+        if late_paid:  # those launched now are recorded by the launch itself (`settle`), those
+            gone = {pending.id for pending in batch + rest}  # handed back by the next taker
+            self.policy.record([job for job, _raw in late_paid if job.id not in gone])
+        return batch, {reason: group for reason, group in dropped.items() if group}, rest
 
     def _add_late_paid_and_drop_gone(
         self, late_paid: list[tuple[p.Job, str]], reasons: dict[str, str], now_ms: float
@@ -144,9 +147,10 @@ class Loop:
 
     # -- settle ----------------------------------------------------------------------
 
-    def settle(self, batch: list[Pending], dropped: dict[str, list[Pending]]) -> list[Pending]:
-        """Tell the waiting-room and the gateways which requests left the buffer, and
-        claim the batch; returns the part of it this replica may run."""
+    def settle(self, batch: list[Pending], dropped: dict[str, list[Pending]], rest: list[Pending]) -> list[Pending]:
+        """Tell the waiting-room and the gateways which requests left the buffer, hand back
+        `rest` to the front of the queue, and claim the batch; returns the part of it this
+        replica may run. If the broker fails, `rest` stays buffered here."""
         r = self.replica
         if not batch and not dropped:
             return batch
@@ -164,8 +168,10 @@ class Loop:
                 claim,
                 scan_from,
                 self._running_members(batch) if scan_from is not None else (),
+                [held(pd).job for pd in rest],
             )
         except BrokerError:
+            self._keep_buffered(rest)
             if r.fallback is None or not batch:
                 raise
             # The broker went with the batch in hand: run it unclaimed and answer through
@@ -175,12 +181,23 @@ class Loop:
             log.warning("the broker did not take the claim of %d requests: running them all the same", len(batch))
             settled = None
         if settled is not None:
+            r.stats.rest_handed_back += len(rest)
             r.gate.peers(idle=settled.peers_idle, launches=settled.launches)
             batch = self._keep_claimed(batch, settled.claimed)
             if finish is not None and batch:
                 batch = batch + self.hedge(batch, settled.running, finish)
         self._count_dropped(dropped)
         return batch
+
+    def _keep_buffered(self, rest: list[Pending]) -> None:
+        """The hand-back did not reach the broker: what it held waits here for the next
+        batch (a late paid request among it is recorded as held now)."""
+        if not rest:
+            return
+        with self.replica.cond:
+            for pending in rest:
+                self.replica.collector.add(pending)
+        self.policy.record([held(pd).job for pd in rest if held(pd).message])
 
     def _running_members(self, batch: list[Pending]) -> list[tuple[str, float]]:
         """The batch's entries in the model's running set (member, deadline), written with

@@ -59,6 +59,11 @@ class Policy(Protocol):
         """Under the lock: the requests this turn takes from the buffer."""
         ...
 
+    def pop_rest(self, batch: list[Pending]) -> list[Pending]:
+        """Under the lock, after `pop`: what the batch leaves in the buffer that goes back
+        to the front of the queue, for a peer's start (`Collector.pop_rest`)."""
+        ...
+
     def record(self, jobs: list[p.Job]) -> None:
         """Record late paid requests that stay buffered as held."""
         ...
@@ -112,6 +117,7 @@ class StaticPolicy:
         self.device = Device(replica, self._run_engine)
         self._prep_ms: deque[float] = deque(maxlen=PREP_SAMPLES)  # a take and settle, start to staged
         self._measured_lead_ms = 0.0  # twice their median, set as each is measured
+        self._hands_back = False  # the last urgent mark looked only as far as a peer's start
 
     def lead_ms(self) -> float:
         """How long before the engine frees the next batch is taken: twice the measured take
@@ -186,9 +192,15 @@ class StaticPolicy:
 
     def _mark_urgent(self, now_ms: float, start_ms: float | None = None) -> None:
         """Under the lock: what must ride the batch taken now is what cannot wait for this
-        replica's batch after it, one measured slot after this one starts."""
-        start = self._start_at(now_ms) if start_ms is None else start_ms
-        self.replica.collector.urgent_before_ms = max(now_ms, start) + self._slot_ms()
+        replica's batch after it, one measured slot after this one starts; or, where what
+        the batch leaves goes back to the queue for a peer's start, what cannot wait for
+        that (`Collector.urgent_horizon_ms`)."""
+        r = self.replica
+        start = max(now_ms, self._start_at(now_ms) if start_ms is None else start_ms)
+        slot = self._slot_ms()
+        horizon = r.collector.urgent_horizon_ms(start, r.gate.peer_launches, slot) if r.config.hand_back_rest else slot
+        self._hands_back = horizon < slot
+        r.collector.urgent_before_ms = start + horizon
 
     def pop(self, now_ms: float) -> list[Pending]:
         r = self.replica
@@ -199,6 +211,12 @@ class StaticPolicy:
             r.gate.start(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
             r.batch_started = monotonic_ms()
         return batch
+
+    def pop_rest(self, batch: list[Pending]) -> list[Pending]:
+        c = self.replica.collector
+        if not batch or not self._hands_back or not c.waiting:
+            return []
+        return c.pop_rest({pending.id for pending in batch})
 
     def record(self, jobs: list[p.Job]) -> None:
         self.hold(jobs)
@@ -366,6 +384,10 @@ class ContinuousPolicy:
         if batch:
             r.busy = True
         return batch
+
+    def pop_rest(self, batch: list[Pending]) -> list[Pending]:
+        """What a step does not take waits for the next step, a step away."""
+        return []
 
     def record(self, jobs: list[p.Job]) -> None:
         self.replica.broker.record_held(jobs)

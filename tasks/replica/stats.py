@@ -18,6 +18,7 @@ class Stats:
     wasted_ms: float = 0.0  # their share of the model's time
     num_taken_shut: int = 0  # brought by a pull sent before the gate shut
     num_handed_back: int = 0  # of those, put back at the front of the queue
+    rest_handed_back: int = 0  # left by a batch, put back at the front of the queue for a peer's start
     hedged: int = 0  # second copies (hedges) run in a batch's empty slots
     hedge_wins: int = 0  # of those, the ones that answered their request first
     hedge_wasted: int = 0  # of those, the ones whose request was answered already (or gone)
@@ -41,6 +42,7 @@ class Stats:
             "wasted_ms": round(self.wasted_ms, 1),
             "taken_shut": self.num_taken_shut,
             "handed_back": self.num_handed_back,
+            "rest_handed_back": self.rest_handed_back,
             "hedged": self.hedged,
             "hedge_wins": self.hedge_wins,
             "hedge_wasted": self.hedge_wasted,

@@ -68,6 +68,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         stall_ms=s.stall_ms,
         max_clock_error_ms=s.max_clock_error_ms,
         hand_back=s.hand_back_pulls,
+        hand_back_rest=s.hand_back_rest,
         host=s.host,
         hedge=s.hedge,
     )

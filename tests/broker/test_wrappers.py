@@ -394,3 +394,26 @@ def test_the_running_set_sheds_what_is_past_its_deadline(state: redis.Redis) -> 
     assert scripts.Hedge(state)(MODEL, "r2", [old]) == []  # past its deadline: no copy
     ReplicaBroker(state, "r2", lambda job: "").settle(MODEL, [], [], (300.0, 1000, now), scan_from_ms=now)
     assert state.zcard(keys.running_key(MODEL)) == 0  # the next claim sheds it
+
+
+def test_what_a_batch_leaves_goes_back_to_the_front_of_its_queue_and_out_of_the_held_hash(state: redis.Redis) -> None:
+    from control.broker.envelope import TaskMessages
+    from control.core.settings import Settings
+    from tasks.celery.app import make_celery
+    from tasks.replica.broker import ReplicaBroker
+
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+
+    def job(i: int, tier: str, deadline: float) -> p.Job:
+        return p.Job(id=f"{i:032d}", key=f"t:{i}", model=MODEL, prompt="x", gateway="g", received_ms=0,
+                     deadline_ms=deadline, tier=tier)  # fmt: skip
+
+    broker = ReplicaBroker(state, "r1", messages)
+    soon, later, paid = job(1, "free", FAR_MS - 2), job(2, "free", FAR_MS - 1), job(3, "paid", FAR_MS)
+    newer = job(4, "free", FAR_MS)
+    state.lpush(keys.queue_key(MODEL, "free"), messages(newer))  # arrived meanwhile: behind them
+    state.hset(keys.held_key("r1"), mapping={j.id: "x" for j in (soon, later, paid)})
+    broker.settle(MODEL, [], [], None, handed_back=[soon, later, paid])  # earliest deadline first
+    assert state.hlen(keys.held_key("r1")) == 0  # a sweep of r1 must not re-queue them again
+    _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=4)
+    assert [j.id for j, _raw in taken] == [paid.id, soon.id, later.id, newer.id]  # paid list first

@@ -156,3 +156,21 @@ def test_a_saturated_replica_follows_a_peer_that_starts_just_before_it_by_a_gap(
     # Never past the last start of the tightest request buffered.
     c.add(make_pending(9, at=0.0, deadline=1300.0))  # latest start 1300 - 250 - 15 - 10 = 1025
     assert c.staggered_start_ms(1000.0, [990.0], 250.0) == 1025.0
+
+
+def test_urgency_looks_as_far_as_a_peers_start_where_the_rest_is_handed_back() -> None:
+    c = make_collector()
+    assert c.urgent_horizon_ms(1000.0, [], 250.0) == 250.0  # alone: its own next batch
+    assert c.urgent_horizon_ms(1000.0, [400.0], 250.0) == 250.0  # a peer idle for two slots
+    assert c.urgent_horizon_ms(1000.0, [900.0], 250.0) == 0.75 * 250.0
+
+
+def test_the_rest_of_a_batch_leaves_earliest_deadline_first_without_copies_of_what_runs() -> None:
+    c = make_collector(max_batch=2)
+    for i, deadline in enumerate([900.0, 700.0, 800.0]):
+        c.add(make_pending(i, at=0.0, deadline=deadline))
+    c.add(make_pending(0, at=0.0, deadline=900.0))  # a second copy of r0
+    batch = c.pop_batch()
+    assert [pd.id for pd in batch] == ["r0", "r1"]  # free, by age: all came at 0
+    assert [pd.id for pd in c.pop_rest({pd.id for pd in batch})] == ["r2"]
+    assert len(c) == 0

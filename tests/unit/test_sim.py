@@ -212,3 +212,17 @@ def test_a_curve_scaled_to_the_serving_engine_is_written_and_read_back(tmp_path:
     assert back.step_ms(4, 300) == pytest.approx(1.1 * measured.step_ms(4, 300))
     step = 1.1 * measured.step_ms(1, 205) + 0.9  # a lone request: its prefill, then a step per token
     assert back.batch_ms([200], [10]) == pytest.approx(1.3 * measured.prefill_ms_for(200) + 10 * step)
+
+
+def test_with_the_rest_of_each_batch_handed_back_paid_requests_ride_the_next_start_at_twice_capacity() -> None:
+    workload = make_workload(2.0 * 2 * 32 * 4, 30, paid_fraction=0.3, seed=1)  # twice 2 x 32 per 250 ms
+    runs = {
+        hb: simulate(make_config(2, max_batch=32, budget_ms=600, hand_back_rest=hb), workload) for hb in (True, False)
+    }
+    tiers = {hb: run.by_tier() for hb, run in runs.items()}
+    ratio = {hb: t["paid"]["p99_ms"] / t["free"]["p99_ms"] for hb, t in tiers.items()}
+    assert ratio[True] <= 0.9 < ratio[False]  # kept buffered, a free request urgent there runs first
+    assert runs[True].stats["rest_handed_back"] > 0 and runs[False].stats["rest_handed_back"] == 0
+    ok = {hb: run.counts()["ok"] for hb, run in runs.items()}
+    assert ok[True] >= 0.995 * ok[False]  # goodput kept
+    assert runs[True].counts().get("expired_504", 0) <= runs[False].counts().get("expired_504", 0)
