@@ -57,6 +57,7 @@ class Inputs:
     broker_utilization: float = 0.5  # the share of a broker's core to plan on
     host_loss: bool = False  # also run a host's loss at the recommended counts, hedging off, paid and all
     host_size: int = 8  # replicas a host carries
+    tier_loads: tuple[float, ...] = ()  # also paid and free latency at these shares of a region's capacity
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
@@ -72,6 +73,8 @@ class Inputs:
             raise ValueError("paid-fraction must be in [0, 1]")
         if min(self.models.values()) <= 0:
             raise ValueError("model shares must be positive")
+        if any(load <= 0 for load in self.tier_loads):
+            raise ValueError("tier loads must be positive")
         if self.policy not in ("static", "continuous"):
             raise ValueError("policy must be static or continuous")
         if self.scope not in ("region", "fleet"):
@@ -303,6 +306,9 @@ def plan(inputs: Inputs) -> dict[str, Any]:
             host_loss(inputs, list(inputs.shares), counts, inputs.rps / inputs.regions, "every region up"),
             host_loss(inputs, list(inputs.shares), counts, inputs.rps / inputs.surviving, "one region lost"),
         ]
+    if inputs.tier_loads:
+        first = next(iter(inputs.shares))
+        out["tiers_by_load"] = {first: tier_curve(inputs, first, counts[0], list(inputs.tier_loads))}
     return out
 
 
@@ -514,6 +520,21 @@ def load_curve(inputs: Inputs, model: str, replicas: int, loads: list[float]) ->
     for load in loads:
         s = run_group(inputs, model, replicas, rps * load, inputs.search_seconds).summary(inputs.network_ms)
         points.append({"load": load, "p99_ms": s.get("p99_ms"), "answered_200_share": s["answered_200_share"]})
+    return points
+
+
+def tier_curve(inputs: Inputs, model: str, replicas: int, loads: list[float]) -> list[dict]:
+    """Paid and free latency in one region's queue of `replicas` as the offered load, a share
+    of their capacity (full batches back to back), varies."""
+    capacity = replicas * inputs.max_batch * 1000.0 / batch_ms_at(inputs, inputs.max_batch)
+    points = []
+    for load in loads:
+        result = run_group(inputs, model, replicas, capacity * load, inputs.search_seconds)
+        point: dict[str, Any] = {"load": load, "rps": round(capacity * load, 1)}
+        for tier, s in result.by_tier(inputs.network_ms).items():
+            point[tier] = {k: s.get(k) for k in ("p50_ms", "p99_ms", "answered_200_share")}
+        point["status_504"] = sum(n for k, n in result.counts().items() if k in ("expired_504", "late_504"))
+        points.append(point)
     return points
 
 

@@ -56,6 +56,12 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
         help="also lose a host halfway through a surviving region's run: errors with hedging off, paid and all",
     )
     parser.add_argument("--host-size", type=int, default=8, help="replicas a host carries (--host-loss)")
+    parser.add_argument(
+        "--tiers-by-load",
+        default="",
+        metavar="L,L,...",
+        help="also paid and free p50/p99 in a region's queue of the first model at these shares of its capacity",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
@@ -89,6 +95,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             broker_utilization=args.broker_utilization,
             host_loss=args.host_loss,
             host_size=args.host_size,
+            tier_loads=tuple(float(x) for x in args.tiers_by_load.split(",") if x.strip()),
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)
@@ -165,6 +172,24 @@ def _print(out: dict[str, Any]) -> None:
             paid_failed = sum(n for k, n in m["paid_outcomes"].items() if k != "ok")
             row = [f"{m['not_200']:,}", f"{paid_failed:,}", str(m["p99_ms"]), f"{m['hedged']:,}", str(m["hedge_wins"])]
             table.add_row(mode, *row)
+        console.print(table)
+    for model, points in out.get("tiers_by_load", {}).items():
+        count = out["replicas_per_region_by_model"][model]
+        table = Table(title=f"Paid and free by load: {model}, {count} replicas, a region's queue")
+        for col in ("load", "req/s", "paid p50/p99 ms", "free p50/p99 ms", "paid p99 / free p99", "free 200", "504"):
+            table.add_column(col, justify="right")
+        for pt in points:
+            paid, free = pt["paid"], pt["free"]
+            ratio = f"{paid['p99_ms'] / free['p99_ms']:.2f}" if paid["p99_ms"] and free["p99_ms"] else "-"
+            table.add_row(
+                f"{pt['load']:.0%}",
+                f"{pt['rps']:,.0f}",
+                f"{paid['p50_ms']} / {paid['p99_ms']}",
+                f"{free['p50_ms']} / {free['p99_ms']}",
+                ratio,
+                f"{free['answered_200_share']:.2%}",
+                str(pt["status_504"]),
+            )
         console.print(table)
 
 

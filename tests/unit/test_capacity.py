@@ -109,3 +109,16 @@ def test_fleet_scope_loses_a_region_and_draws_the_plot(capsys: pytest.CaptureFix
     assert regions["after_the_loss"]["answered_200_share"] >= 0.97  # the resent ones had spent part of their budget
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert [p["load"] for p in out["load_curve"]["kb-small"]][:2] == [0.5, 0.7]
+
+
+def test_paid_and_free_by_load_in_a_regions_queue() -> None:
+    from control.sim.capacity import tier_curve
+
+    inputs = Inputs(rps=6_000, regions=3, models={"m": 1.0}, paid_fraction=0.3, search_seconds=10)
+    low, high = tier_curve(inputs, "m", 2, [0.5, 2.0])  # 2 x 64 per 250 ms: 512 req/s
+    assert (low["rps"], high["rps"]) == (256.0, 1024.0)
+    assert low["free"]["answered_200_share"] == 1.0 and high["free"]["answered_200_share"] < 0.5
+    assert high["paid"]["answered_200_share"] >= 0.99  # 60% of capacity: all of it fits
+    assert high["paid"]["p99_ms"] < high["free"]["p99_ms"]
+    assert main(["capacity", "--tiers-by-load", "0.5,x"]) == 2
+    assert main(["capacity", "--tiers-by-load", "-1"]) == 2
