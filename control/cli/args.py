@@ -280,6 +280,15 @@ def add_broker_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write all figures here")
 
 
+def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cases", default="2x32,2x64,4x64,8x64", help="REPLICASxBATCH, comma-separated")
+    p.add_argument("--loads", default="0.5,0.7,0.9,1.1,2.0", help="shares of the replicas' capacity")
+    p.add_argument("--horizons", default="0.6,0.85", help="other urgency horizons tried at 110%% and 200%%")
+    p.add_argument("--seconds", type=float, default=40.0, help="simulated seconds a run")
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--json", default=None, help="write all figures here")
+
+
 def add_simcheck_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default="0.3,0.6,0.9", help="shares of the fleet's capacity")
     p.add_argument("--workers", type=int, default=2, help="replicas")

@@ -85,6 +85,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         add_rebalance_bench_args,
         add_serving_args,
         add_simcheck_args,
+        add_tiers_sim_args,
     )
 
     add_serving_args(bench_sub.add_parser("serving", help="the serving path under Poisson load"))
@@ -94,6 +95,9 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         bench_sub.add_parser("peer", help="keybatch against transformers serve (needs `pip install -e .[peer]`)")
     )
     add_simcheck_args(bench_sub.add_parser("simcheck", help="the simulator against the live fleet at the same loads"))
+    add_tiers_sim_args(
+        bench_sub.add_parser("tiers-sim", help="paid against free, simulated: the rest of a batch handed back or not")
+    )
     add_dash_bench_args(bench_sub.add_parser("dash", help="the dashboard's own CPU, watching a fleet under load"))
     add_rebalance_bench_args(
         bench_sub.add_parser("rebalance", help="demand moves between the models: do the replicas follow?")
@@ -303,6 +307,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.simcheck import run_simcheck
 
         return run_simcheck(args)
+    if args.bench == "tiers-sim":
+        from control.bench.tiers_sim import run_tiers_sim
+
+        return run_tiers_sim(args)
     if args.bench == "ops":
         from control.bench.operations import run_ops
 

@@ -226,3 +226,20 @@ def test_with_the_rest_of_each_batch_handed_back_paid_requests_ride_the_next_sta
     ok = {hb: run.counts()["ok"] for hb, run in runs.items()}
     assert ok[True] >= 0.995 * ok[False]  # goodput kept
     assert runs[True].counts().get("expired_504", 0) <= runs[False].counts().get("expired_504", 0)
+
+
+def test_the_tiers_bench_writes_both_arms_of_each_case(tmp_path: Path) -> None:
+    from control.cli.main import main
+
+    out = tmp_path / "tiers.json"
+    args = ["bench", "tiers-sim", "--cases", "2x32", "--loads", "2.0", "--horizons", "0.6", "--seconds", "10"]
+    assert main([*args, "--processes", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["load"], r["hand_back_rest"], r["rest_horizon"]) for r in runs] == [
+        (2.0, False, None),
+        (2.0, True, 0.75),
+        (1.1, True, 0.6),
+        (2.0, True, 0.6),
+    ]
+    assert runs[0]["rest_handed_back"] == 0 < runs[1]["rest_handed_back"]
+    assert main(["bench", "tiers-sim", "--cases", "2y32"]) == 2

@@ -1,0 +1,89 @@
+"""`keybatch bench tiers-sim`: paid against free in the simulator, with the rest of each
+static batch handed back to the queue and without (`HAND_BACK_REST`), and how far urgency
+looks (`REST_HORIZON`, a share of a slot).
+
+Each case is R replicas of batch B on the fixed 250 ms backend, 30% paid, a 600 ms budget
+and free-slot hedging on (`all`, the default), at shares of R x B per 250 ms. The runs are
+independent: they go side by side in `--processes` processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+from multiprocessing import get_context
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from control.sim.config import SimConfig
+from control.sim.simulate import simulate
+from control.sim.workload import make_workload
+from tasks.policy import collector
+
+Run = tuple[int, int, float, bool, float, float]  # replicas, batch, load, hand back, horizon, seconds
+
+
+def _one(run: Run) -> dict[str, Any]:
+    replicas, batch, load, hand_back, horizon, seconds = run
+    collector.REST_HORIZON = horizon  # this process's own policy module
+    config = SimConfig(replicas=[replicas], max_batch=batch, budget_ms=600, hedge="all", hand_back_rest=hand_back)
+    result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
+    tiers, counts = result.by_tier(), result.counts()
+    out: dict[str, Any] = {
+        "replicas": replicas,
+        "max_batch": batch,
+        "load": load,
+        "hand_back_rest": hand_back,
+        "rest_horizon": horizon if hand_back else None,
+        "ok_per_s": round(counts.get("ok", 0) / seconds, 1),
+        "status_429": counts.get("refused_429", 0),
+        "status_504": counts.get("expired_504", 0) + counts.get("late_504", 0),
+        "rest_handed_back": result.stats["rest_handed_back"],
+    }
+    for tier, s in tiers.items():
+        out[tier] = {k: s.get(k) for k in ("p50_ms", "p99_ms", "answered_200_share")}
+    out["paid_p99_over_free_p99"] = round(tiers["paid"]["p99_ms"] / tiers["free"]["p99_ms"], 3)
+    return out
+
+
+def run_tiers_sim(args: argparse.Namespace) -> int:
+    try:
+        cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
+        loads = [float(x) for x in args.loads.split(",")]
+        horizons = [float(x) for x in args.horizons.split(",") if x.strip()]
+    except ValueError as exc:
+        print(f"keybatch bench tiers-sim: {exc}")
+        return 2
+    default = collector.REST_HORIZON
+    runs: list[Run] = [
+        (r, b, load, hb, default, args.seconds) for r, b in cases for load in loads for hb in (False, True)
+    ]
+    runs += [(r, b, load, True, h, args.seconds) for r, b in cases for load in (1.1, 2.0) for h in horizons]
+    with get_context("fork").Pool(max(1, args.processes)) as pool:
+        results = pool.map(_one, runs, chunksize=1)
+    table = Table(title="Paid against free, simulated (hand back the rest: off / on)")
+    for col in ("case", "load", "horizon", "answered 200/s", "504", "paid p99", "free p99", "paid/free p99"):
+        table.add_column(col, justify="right")
+    for r in results:
+        horizon = f"{r['rest_horizon']:.2f}" if r["hand_back_rest"] else "off"
+        table.add_row(
+            f"{r['replicas']}x{r['max_batch']}",
+            f"{r['load']:.0%}",
+            horizon,
+            str(r["ok_per_s"]),
+            str(r["status_504"]),
+            str(r["paid"]["p99_ms"]),
+            str(r["free"]["p99_ms"]),
+            str(r["paid_p99_over_free_p99"]),
+        )
+    Console().print(table)
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        out = {"date": str(datetime.date.today()), "commit": commit, "args": vars(args), "runs": results}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
