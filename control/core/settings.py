@@ -126,9 +126,9 @@ class Settings(BaseSettings):
         True, description="a request a pull sent before the gate shut brings goes back to the front of its queue"
     )
     hand_back_rest: bool = Field(
-        True,
+        False,
         description="what a static batch leaves in its replica's buffer goes back to the front of its queue, "
-        "for a peer's earlier start; urgency then looks three quarters of a slot ahead",
+        "for a peer's earlier start; urgency then looks three quarters of a slot ahead (docs/decisions/0030)",
     )
 
     # Deadlines and admission.

@@ -46,8 +46,8 @@ class SimConfig:
     # BRPOP already sent (no such consumer exists; what the simulator did before).
     pull_in_flight: str = "hand_back"
     # What a static batch leaves in its replica's buffer goes back to the front of the queue
-    # for the model's next start, and urgency looks that far (KEYBATCH_HAND_BACK_REST).
-    hand_back_rest: bool = True
+    # for a peer's start, and urgency looks less far (HAND_BACK_REST, off by default live too).
+    hand_back_rest: bool = False
 
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:

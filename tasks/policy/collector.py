@@ -22,11 +22,11 @@ start. `not_before_ms` (set by the replica from its peers' launches, see
 the replicas has passed since the latest launch of a peer, so starts spread out
 to every T/R; the deadline term still bounds it.
 
-What a batch leaves in the buffer need not wait for this replica's next batch: where peers
-start in between, `pop_rest` hands it back to the front of the shared queue, for the batch
-that starts next, whoever runs it. Urgency then looks only that far (`next_start_gap_ms`):
-what can wait for the model's next start makes room for a paid request taken late, so
-paid requests ride the next start and free ones the later.
+What a batch leaves in the buffer may go back instead of waiting for this replica's next
+batch (the replica's `hand_back_rest`): where peers start in between, `pop_rest` hands it
+to the front of the shared queue, for the batch that starts next, whoever runs it. Urgency
+then looks less far (`urgent_horizon_ms`): what can wait for a peer's start makes room for
+a paid request taken late, so paid requests ride the next start and free ones a later one.
 """
 
 from __future__ import annotations

@@ -22,4 +22,4 @@ class ReplicaConfig:
     host: str = ""  # the host it runs on ("": this machine's name)
     hedge: HedgeMode = "off"  # free-slot hedging (tasks/policy/hedging.py): off, paid or all
     hand_back: bool = True  # what a pull sent before the gate shut brings goes back to the queue
-    hand_back_rest: bool = True  # what a static batch leaves in the buffer goes back for a peer's start
+    hand_back_rest: bool = False  # what a static batch leaves in the buffer goes back for a peer's start

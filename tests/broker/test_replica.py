@@ -134,3 +134,30 @@ def test_a_request_a_stopped_replica_is_brought_goes_back_to_its_queue(state: re
     assert not replica.submit(job)  # the consumer's last pull, answered after the stop
     assert len(replica.collector) == 0
     assert state.lrange(keys.queue_key(MODEL, "free"), 0, -1) == [job.model_dump_json().encode()]
+
+
+def test_what_a_batch_leaves_goes_back_to_the_queue_where_a_peer_starts_sooner(state: redis.Redis) -> None:
+    clock = BrokerClock(state)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=200.0)
+    config = CollectorConfig(max_batch=4, batch_ms=200.0, max_wait_ms=60_000.0)
+    replica = Replica(ReplicaConfig("r-test", MODEL, config, hand_back_rest=True), engine, state, clock)
+    now = clock.now_ms()
+    state.zadd(keys.launch_key(MODEL), {"r-peer": now})  # a peer started just now: it starts again sooner
+    for i in range(6):
+        state.set(keys.owner_key(f"t:r{i}"), f"gw|{keys.waiting_key(MODEL, 'free')}|t|a{i}", px=10_000)
+    jobs = [_job(i, "x", now).model_copy(update={"deadline_ms": now + 5_000 + i}) for i in range(6)]
+    replica.start()
+    try:
+        for job in jobs:
+            replica.submit(job)
+        queue = keys.queue_key(MODEL, "free")
+        assert until(lambda: state.llen(queue) == 2, 5)
+        items: list[dict] = []
+        assert until(lambda: _collect(state, items) >= 4, 5)
+    finally:
+        replica.stop()
+    assert sorted(item["id"] for item in items) == ["a0", "a1", "a2", "a3"]
+    # The earliest deadline is popped first (BRPOP takes from the right).
+    assert [p.Job.model_validate_json(raw).id for raw in state.lrange(queue, 0, -1)] == ["a5", "a4"]
+    assert not state.hexists(keys.held_key("r-test"), "a4") and not state.hexists(keys.held_key("r-test"), "a5")
+    assert replica.stats.rest_handed_back == 2
