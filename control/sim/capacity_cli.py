@@ -62,6 +62,11 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
         metavar="L,L,...",
         help="also paid and free p50/p99 in a region's queue of the first model at these shares of its capacity",
     )
+    parser.add_argument(
+        "--stagger-saturated",
+        action="store_true",
+        help="simulated replicas delay a full batch by a gap after a peer's start, as live ones do",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
@@ -96,6 +101,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             host_loss=args.host_loss,
             host_size=args.host_size,
             tier_loads=tuple(float(x) for x in args.tiers_by_load.split(",") if x.strip()),
+            stagger_saturated=args.stagger_saturated,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)

@@ -48,6 +48,10 @@ class SimConfig:
     # What a static batch leaves in its replica's buffer goes back to the front of the queue
     # for a peer's start, and urgency looks less far (HAND_BACK_REST, off by default live too).
     hand_back_rest: bool = False
+    # A replica whose last batch was full delays a due batch by a gap after a peer's latest
+    # launch (`Collector.staggered_start_ms`), as a live one does. Off: it starts at once, as
+    # the simulator did when the stored capacity figures were run.
+    stagger_saturated: bool = False
 
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:

@@ -115,6 +115,9 @@ class ReplicaSide(SimState):
         wait = collector.wait_ms(now)
         if wait is None:
             return
+        if wait == 0 and self.config.stagger_saturated:  # `StaticPolicy._start_at`
+            wait = collector.staggered_start_ms(now, peers, group.batch_ms) - now
+            replica.gate.holding = wait > 0
         if wait > 0:
             self._timer(replica, LAUNCH, now + wait)
             return

@@ -180,7 +180,7 @@ class Collector:
         for _ in range(len(recent) + 1):
             moved = False
             for launch in recent:
-                if launch < staggered < launch + close:
+                if launch <= staggered < launch + close:  # <=: two takes at one instant (the simulator)
                     staggered, moved = launch + gap, True
             if not moved:
                 break

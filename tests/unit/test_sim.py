@@ -243,3 +243,15 @@ def test_the_tiers_bench_writes_both_arms_of_each_case(tmp_path: Path) -> None:
     ]
     assert runs[0]["rest_handed_back"] == 0 < runs[1]["rest_handed_back"]
     assert main(["bench", "tiers-sim", "--cases", "2y32"]) == 2
+
+
+def test_saturated_replicas_that_stagger_as_live_ones_do_do_not_start_in_clumps() -> None:
+    workload = make_workload(2.0 * 8 * 64 * 4, 10, paid_fraction=0.3, seed=1)  # twice 8 x 64
+    median_gap = {}
+    for stagger in (False, True):
+        result = simulate(make_config(8, max_batch=64, budget_ms=600, stagger_saturated=stagger), workload)
+        starts = np.unique(result.start_ms[(result.state == OK) & (result.start_ms > 2_000)])
+        median_gap[stagger] = float(np.median(np.diff(starts)))
+    # 8 replicas of 250 ms batches: evenly spread, a start every 31 ms; in clumps, most
+    # starts follow another within a millisecond.
+    assert median_gap[True] >= 20.0 and median_gap[False] <= 5.0, median_gap
