@@ -19,6 +19,8 @@ WINDOW_S = 1.0  # recovery is judged on windows of this length after the fault
 P99_SLACK = 1.10  # ...whose p99 is within 10% of the pre-fault p99
 FAST_503_MS = 100.0
 CELL_WINDOW_S = 5.0  # cell-loss: each cell's p99 over this long from the fault's end, against before it
+DEFAULT_BUDGET_MS = 600.0  # the gateway's budget for a request that names none (DEADLINE_MS)
+MARGIN_MS = 15.0  # the replicas' deadline margin (DEADLINE_MARGIN_MS)
 
 
 # The gateway's counters the report shows as deltas over the load (summed over labels).
@@ -100,6 +102,18 @@ def _affected(records: list[Record], injections: list[Injection], ends: list[flo
     return hit
 
 
+def short_of_a_batch(records: list[Record], injections: list[Injection], budget_ms: float, batch_ms: float) -> set[int]:
+    """In flight at a fault with less than one batch (and the margin) of its budget left:
+    no replica, here or in a peer region, can start it then and finish in time."""
+    short = set()
+    for injection in injections:
+        for i, r in enumerate(records):
+            if r.sent_s < injection.at_s < r.answered_s:
+                if budget_ms - 1000.0 * (injection.at_s - r.sent_s) < batch_ms + MARGIN_MS:
+                    short.add(i)
+    return short
+
+
 def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str, float] | None) -> dict[str, object]:
     injections = run.injections
     wasted = counters["wasted_results"] if counters is not None else None
@@ -110,6 +124,7 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
     for injection, end in zip(injections, ends, strict=True):  # from the fault's end, if it lasts
         injection.recover_s = recovery_s(records, injection.ended_s or injection.at_s, end, baseline)
     hit = _affected(records, injections, ends)
+    short = short_of_a_batch(records, injections, spec.deadline_ms or DEFAULT_BUDGET_MS, run.batch_ms)
     lost = [r for r in records if r.status == 0 and not r.hung_up]
     # An answer carrying another request's id: a reply routed to the wrong client, or a
     # second answer to an earlier request read off a reused connection.
@@ -137,6 +152,8 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         "requeue_ms_median": _median([i.requeue_ms for i in injections if i.requeue_ms is not None]),
         "pre_fault_p99_ms": baseline,
         "affected": _group([r for i, r in enumerate(records) if i in hit]),
+        # Those of them with at least one batch of their budget left at the fault.
+        "affected_with_budget": _group([r for i, r in enumerate(records) if i in hit and i not in short]),
         "rest": _group([r for i, r in enumerate(records) if i not in hit]),
         "status_503": {
             "count": len(s503),

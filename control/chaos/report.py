@@ -49,10 +49,16 @@ def print_report(report: dict) -> None:
     recover = "not recovered" if report["recover_s"] is None else f"{report['recover_s']:.1f} s"
     table.add_row("time to recover (from the fault's end)", recover, "")
     table.add_row("pre-fault p99", ms(report["pre_fault_p99_ms"]), "")
-    for name in ("affected", "rest"):
-        group = report[name]
+    for name, title in (
+        ("affected", "affected"),
+        ("affected_with_budget", "  with a batch of budget left at the fault"),
+        ("rest", "rest"),
+    ):
+        group = report.get(name)
+        if group is None:  # a report stored before this figure
+            continue
         table.add_row(
-            f"{name}: sent, statuses, p99", f"{group['sent']}; {counts(group['statuses'])}; {ms(group['p99_ms'])}", ""
+            f"{title}: sent, statuses, p99", f"{group['sent']}; {counts(group['statuses'])}; {ms(group['p99_ms'])}", ""
         )
         table.add_row("  paid: statuses, p99", f"{counts(group['paid_statuses'])}; {ms(group['paid_p99_ms'])}", "")
     for cell, row in (report.get("cells") or {}).items():
