@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from control.broker import keys
-from control.core import protocol as p
 from control.core.clock import BrokerClock
 from control.fleet.valkey import EmbeddedBroker
 from tasks.engine.fixed import FixedLatencyEngine
@@ -19,6 +18,7 @@ from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
 from tests.support.jobs import admitted_job
+from tests.support.replies import take_items
 from tests.support.waiting import until
 
 
@@ -38,10 +38,8 @@ def _replica(state: redis.Redis, max_batch: int, batch_ms: float) -> tuple[Repli
 
 
 def _collect(state: redis.Redis, items: dict[str, dict]) -> int:
-    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
-        for item in p.Reply.model_validate_json(raw).model_dump()["items"]:
-            items[item["id"]] = item
-    state.delete(keys.reply_key("gw"))
+    for item in take_items(state):
+        items[item["id"]] = item
     time.sleep(0.01)
     return len(items)
 

@@ -24,6 +24,7 @@ from tasks.policy.hedging import HedgeMode
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
+from tests.support.replies import take_items
 from tests.support.waiting import until
 
 
@@ -50,10 +51,8 @@ def _admit(state: redis.Redis, messages: TaskMessages, i: int, tier: str, now_ms
 
 
 def _answers(state: redis.Redis, items: dict[str, list[dict]]) -> int:
-    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
-        for item in p.Reply.model_validate_json(raw).model_dump()["items"]:
-            items.setdefault(item["id"], []).append(item)
-    state.delete(keys.reply_key("gw"))
+    for item in take_items(state):
+        items.setdefault(item["id"], []).append(item)
     time.sleep(0.01)
     return len(items)
 

@@ -20,6 +20,7 @@ from tasks.policy.collector import CollectorConfig
 from tasks.replica.config import ReplicaConfig
 from tasks.replica.replica import Replica
 from tests.support.deploy import MODEL
+from tests.support.replies import take_items
 from tests.support.waiting import until
 
 
@@ -86,9 +87,7 @@ def test_a_batch_the_engine_raises_for_is_halved_until_the_culprit_fails_alone(s
 
 
 def _collect(state: redis.Redis, items: list[dict]) -> int:
-    for raw in state.lrange(keys.reply_key("gw"), 0, -1):
-        items.extend(p.Reply.model_validate_json(raw).model_dump()["items"])
-    state.delete(keys.reply_key("gw"))
+    items.extend(take_items(state))
     time.sleep(0.01)
     return len(items)
 
