@@ -1,6 +1,6 @@
 """`keybatch bench tiers-sim`: paid against free in the simulator, with the rest of each
 static batch handed back to the queue and without (`HAND_BACK_REST`), and how far urgency
-looks (`REST_HORIZON`, a share of a slot).
+looks (`SimConfig.rest_horizon`, a share of a slot).
 
 Each case is R replicas of batch B on the fixed 250 ms backend, 30% paid, a 600 ms budget
 and free-slot hedging on (`all`, the default), at shares of R x B per 250 ms. The runs are
@@ -22,15 +22,16 @@ from rich.table import Table
 from control.sim.config import SimConfig
 from control.sim.simulate import simulate
 from control.sim.workload import make_workload
-from tasks.policy import collector
+from tasks.policy.collector import REST_HORIZON
 
 Run = tuple[int, int, float, bool, float, float]  # replicas, batch, load, hand back, horizon, seconds
 
 
 def _one(run: Run) -> dict[str, Any]:
     replicas, batch, load, hand_back, horizon, seconds = run
-    collector.REST_HORIZON = horizon  # this process's own policy module
-    config = SimConfig(replicas=[replicas], max_batch=batch, budget_ms=600, hedge="all", hand_back_rest=hand_back)
+    config = SimConfig(
+        replicas=[replicas], max_batch=batch, budget_ms=600, hedge="all", hand_back_rest=hand_back, rest_horizon=horizon
+    )
     result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
     tiers, counts = result.by_tier(), result.counts()
     out: dict[str, Any] = {
@@ -58,9 +59,8 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"keybatch bench tiers-sim: {exc}")
         return 2
-    default = collector.REST_HORIZON
     runs: list[Run] = [
-        (r, b, load, hb, default, args.seconds) for r, b in cases for load in loads for hb in (False, True)
+        (r, b, load, hb, REST_HORIZON, args.seconds) for r, b in cases for load in loads for hb in (False, True)
     ]
     runs += [(r, b, load, True, h, args.seconds) for r, b in cases for load in (1.1, 2.0) for h in horizons]
     with get_context("fork").Pool(max(1, args.processes)) as pool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from control.sim.cost import CostModel
+from tasks.policy.collector import REST_HORIZON
 from tasks.policy.hedging import HedgeMode
 
 
@@ -48,6 +49,7 @@ class SimConfig:
     # What a static batch leaves in its replica's buffer goes back to the front of the queue
     # for a peer's start, and urgency looks less far (HAND_BACK_REST, off by default live too).
     hand_back_rest: bool = False
+    rest_horizon: float = REST_HORIZON  # of a slot: how far urgency looks then
     # A replica whose last batch was full delays a due batch by a gap after a peer's latest
     # launch (`Collector.staggered_start_ms`), as a live one does. Off: it starts at once, as
     # the simulator did when the stored capacity figures were run.

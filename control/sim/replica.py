@@ -97,10 +97,11 @@ class ReplicaSide(SimState):
         gone = {p.id for p in collector.waiting if self.state[p.payload] != WAITING}
         if gone:
             collector.remove(gone)
-        peers = self._peer_launches(replica)
+        config = self.config
+        peers = self._peer_launches(replica) if config.hand_back_rest or config.stagger_saturated else []
         horizon = group.batch_ms
-        if self.config.hand_back_rest:
-            horizon = collector.urgent_horizon_ms(now, peers, group.batch_ms)
+        if config.hand_back_rest:
+            horizon = collector.urgent_horizon_ms(now, peers, group.batch_ms, config.rest_horizon)
         collector.urgent_before_ms = now + horizon
         room = collector.num_free()
         while room and group.paid_queue:
@@ -115,7 +116,7 @@ class ReplicaSide(SimState):
         wait = collector.wait_ms(now)
         if wait is None:
             return
-        if wait == 0 and self.config.stagger_saturated:  # `StaticPolicy._start_at`
+        if wait == 0 and config.stagger_saturated:  # `StaticPolicy._start_at`
             wait = collector.staggered_start_ms(now, peers, group.batch_ms) - now
             replica.gate.holding = wait > 0
         if wait > 0:

@@ -44,6 +44,11 @@ STAGGER_TOLERANCE = 0.1  # of a gap: starts spread this evenly are left where th
 REST_HORIZON = 0.75  # of a slot: how long a request handed back may have to wait for a peer's start
 
 
+def recent_launches(peer_launches_ms: list[float], at_ms: float, slot_ms: float) -> list[float]:
+    """The peers' launches that still tell a phase at `at_ms`: within two slots of it."""
+    return [t for t in peer_launches_ms if at_ms - t < 2 * slot_ms]
+
+
 @dataclass(slots=True)
 class Pending:
     """One request in a replica's buffer."""
@@ -149,7 +154,7 @@ class Collector:
         batch time / replicas after the latest peer start.
         """
         c = self.config
-        recent = [t for t in peer_launches_ms if now_ms - t < 2 * c.batch_ms]
+        recent = recent_launches(peer_launches_ms, now_ms, c.batch_ms)
         if not recent or last_batch < c.stagger_fill * c.max_batch:
             self.not_before_ms = 0.0
             return
@@ -171,7 +176,7 @@ class Collector:
         spread. A start within `STAGGER_TOLERANCE` of a gap after the peer's stays (jitter
         moves starts by a few ms every slot).
         """
-        recent = [t for t in peer_launches_ms if start_ms - t < 2 * slot_ms]
+        recent = recent_launches(peer_launches_ms, start_ms, slot_ms)
         if not recent or self.last_batch < self.config.stagger_fill * self.config.max_batch:
             return start_ms
         gap = slot_ms / (len(recent) + 1)
@@ -190,14 +195,16 @@ class Collector:
         latest = min((self.latest_start_ms(p) - LAUNCH_LEAD_MS for p in self.waiting), default=math.inf)
         return max(start_ms, min(staggered, latest))
 
-    def urgent_horizon_ms(self, start_ms: float, peer_launches_ms: list[float], slot_ms: float) -> float:
+    def urgent_horizon_ms(
+        self, start_ms: float, peer_launches_ms: list[float], slot_ms: float, share: float = REST_HORIZON
+    ) -> float:
         """From a batch's start, how far urgency looks: what must start before then rides
         this batch. With no peer started recently, this replica's next batch, a slot later.
         With peers, what the batch leaves goes back to the queue (`pop_rest`) for a peer's
-        start, and only `REST_HORIZON` of a slot: a request that can wait that long makes
-        room for a paid one taken late."""
-        if any(start_ms - t < 2 * slot_ms for t in peer_launches_ms):
-            return REST_HORIZON * slot_ms
+        start, and only `share` of a slot: a request that can wait that long makes room for
+        a paid one taken late."""
+        if recent_launches(peer_launches_ms, start_ms, slot_ms):
+            return share * slot_ms
         return slot_ms
 
     def pop_rest(self, launched: set[str]) -> list[Pending]:
