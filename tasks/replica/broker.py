@@ -101,7 +101,16 @@ class ReplicaBroker:
 
     def push_back(self, job: p.Job) -> None:
         """Back to the front of its queue (BRPOP's end), for the consumer that asks next."""
-        self.redis.rpush(keys.queue_key(job.model, job.tier, job.behind), self.envelope(job))
+        self._push_front(self.redis, [job])
+
+    def _push_front(self, client: redis.Redis | redis.client.Pipeline, jobs: Sequence[p.Job]) -> None:
+        """Each job to the front of its queue, the first of `jobs` the first to be popped
+        (RPUSH: the consumer pops from the right)."""
+        fronts: dict[str, list[str]] = defaultdict(list)
+        for job in reversed(jobs):
+            fronts[keys.queue_key(job.model, job.tier, job.behind)].append(self.envelope(job))
+        for queue, messages in fronts.items():
+            client.rpush(queue, *messages)
 
     def record_held(self, jobs: list[p.Job]) -> None:
         """Write arrivals into the held hash, in one RECORD call; only those still in
@@ -205,11 +214,7 @@ class ReplicaBroker:
         pipe = self.redis.pipeline(transaction=False)
         if handed_back:
             pipe.hdel(keys.held_key(self.name), *[job.id for job in handed_back])
-            fronts: dict[str, list[str]] = defaultdict(list)
-            for job in reversed(handed_back):  # RPUSH: the last one pushed is the first popped
-                fronts[keys.queue_key(job.model, job.tier, job.behind)].append(self.envelope(job))
-            for queue, messages in fronts.items():
-                pipe.rpush(queue, *messages)
+            self._push_front(pipe, handed_back)
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
             pipe.hset(keys.held_key(self.name), mapping=late)
