@@ -11,6 +11,7 @@ from dataclasses import asdict
 from control.bench.report import outcome, timeline
 from control.chaos.injection import Injection, Run
 from control.chaos.spec import ChaosSpec
+from control.core.settings import Settings
 from control.core.vocab import PAID
 from control.load.spec import Record
 from control.load.summary import percentile
@@ -19,8 +20,10 @@ WINDOW_S = 1.0  # recovery is judged on windows of this length after the fault
 P99_SLACK = 1.10  # ...whose p99 is within 10% of the pre-fault p99
 FAST_503_MS = 100.0
 CELL_WINDOW_S = 5.0  # cell-loss: each cell's p99 over this long from the fault's end, against before it
-DEFAULT_BUDGET_MS = 600.0  # the gateway's budget for a request that names none (DEADLINE_MS)
-MARGIN_MS = 15.0  # the replicas' deadline margin (DEADLINE_MARGIN_MS)
+# The deployments run with the default settings: a request that names no budget gets this
+# one, and a replica keeps this margin before a deadline.
+DEFAULT_BUDGET_MS: float = Settings.model_fields["deadline_ms"].default
+MARGIN_MS: float = Settings.model_fields["deadline_margin_ms"].default
 
 
 # The gateway's counters the report shows as deltas over the load (summed over labels).
