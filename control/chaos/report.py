@@ -54,9 +54,7 @@ def print_report(report: dict) -> None:
         ("affected_with_budget", "  with a batch of budget left at the fault"),
         ("rest", "rest"),
     ):
-        group = report.get(name)
-        if group is None:  # a report stored before this figure
-            continue
+        group = report[name]
         table.add_row(
             f"{title}: sent, statuses, p99", f"{group['sent']}; {counts(group['statuses'])}; {ms(group['p99_ms'])}", ""
         )
