@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 
-from control.core.vocab import PAID
+from control.core.vocab import FREE, PAID, Tier
 from control.sim.events import END, GATE, LAUNCH, SimState
 from control.sim.group import COPY, Group, SimReplica, is_copy
 from control.sim.states import EXPIRED, LATE, OK, RUNNING, TIERS, WAITING
@@ -103,16 +104,7 @@ class ReplicaSide(SimState):
         if config.hand_back_rest:
             horizon = collector.urgent_horizon_ms(now, peers, group.batch_ms, config.rest_horizon)
         collector.urgent_before_ms = now + horizon
-        room = collector.num_free()
-        while room and group.paid_queue:
-            j = group.paid_queue.popleft()
-            collector.add(Pending(str(j), PAID, self.t[j], self.deadline[j], j, now))
-            room -= 1
-        for pending in collector.pop_expired(now):
-            j = pending.payload
-            if self.state[j] == WAITING:
-                self.state[j] = EXPIRED
-                group.num_waiting[self.paid[j]] -= 1
+        self._drop_expired(replica)
         wait = collector.wait_ms(now)
         if wait is None:
             return
@@ -122,6 +114,14 @@ class ReplicaSide(SimState):
         if wait > 0:
             self._timer(replica, LAUNCH, now + wait)
             return
+        # The take (`ReplicaBroker.take`), once a batch is due: paid requests still in the
+        # queue that would ride behind buffered free ones, and any, paid first, for the seats
+        # the buffer leaves empty.
+        room = collector.num_free()
+        fill = max(0, collector.config.max_batch - len(collector))
+        taken = self._take_queued(replica, group.paid_queue, PAID, room + fill)
+        self._take_queued(replica, group.free_queue, FREE, min(fill, room + fill - taken))
+        self._drop_expired(replica)
         batch = collector.pop_batch()
         if horizon < group.batch_ms and collector.waiting:
             self._hand_back(replica, collector.pop_rest({p.id for p in batch}))
@@ -143,6 +143,26 @@ class ReplicaSide(SimState):
         self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
         self._pull(replica)
+
+    def _take_queued(self, replica: SimReplica, queue: deque[int], tier: Tier, most: int) -> int:
+        """Up to `most` requests from the front of `queue` into the replica's buffer; what
+        left the waiting set meanwhile (cancelled, answered 504) is dropped on the way."""
+        taken = 0
+        while taken < most and queue:
+            j = queue.popleft()
+            if self.state[j] == WAITING:
+                replica.collector.add(Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now))
+                taken += 1
+        return taken
+
+    def _drop_expired(self, replica: SimReplica) -> None:
+        """What can no longer finish in time leaves the buffer: answered 504."""
+        group = replica.group
+        for pending in replica.collector.pop_expired(self.now):
+            j = pending.payload
+            if self.state[j] == WAITING:
+                self.state[j] = EXPIRED
+                group.num_waiting[self.paid[j]] -= 1
 
     def _hand_back(self, replica: SimReplica, rest: list[Pending]) -> None:
         """`Loop.settle`'s hand-back: what the batch left goes back to the front of the
@@ -278,5 +298,7 @@ class ReplicaSide(SimState):
         launches = self._peer_launches(replica)
         replica.collector.stagger_from(launches, num, now)
         replica.gate.peers(launches=launches)
-        self._pull(replica)
+        # Overlapped, as live (tasks/replica/loop.py): the next batch is taken as this one
+        # ends, the seats its buffer leaves filled from the queue, before the consumer pulls.
         self._try_launch(replica)
+        self._pull(replica)
