@@ -58,7 +58,7 @@ class Inputs:
     host_loss: bool = False  # also run a host's loss at the recommended counts, hedging off, paid and all
     host_size: int = 8  # replicas a host carries
     tier_loads: tuple[float, ...] = ()  # also paid and free latency at these shares of a region's capacity
-    stagger_saturated: bool = False  # simulated replicas stagger full batches as live ones do (SimConfig)
+    stagger_saturated: bool = True  # simulated replicas stagger full batches as live ones do (SimConfig)
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}

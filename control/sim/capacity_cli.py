@@ -64,8 +64,9 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stagger-saturated",
-        action="store_true",
-        help="simulated replicas delay a full batch by a gap after a peer's start, as live ones do",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="simulated replicas delay a full batch by a gap after a peer's start, as live ones do (the default)",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")

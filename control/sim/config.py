@@ -51,9 +51,9 @@ class SimConfig:
     hand_back_rest: bool = False
     rest_horizon: float = REST_HORIZON  # of a slot: how far urgency looks then
     # A replica whose last batch was full delays a due batch by a gap after a peer's latest
-    # launch (`Collector.staggered_start_ms`), as a live one does. Off: it starts at once, as
-    # the simulator did when the stored capacity figures were run.
-    stagger_saturated: bool = False
+    # launch (`Collector.staggered_start_ms`), as a live one does. Off: it starts at once,
+    # and saturated replicas start their batches in clumps.
+    stagger_saturated: bool = True
 
     def __post_init__(self) -> None:
         if len(self.replicas) != len(self.models) or min(self.replicas) < 1:
