@@ -72,7 +72,7 @@ class FaultSide(GatewaySide):
             replica.alive = True
             replica.collector = Collector(group.collector_config)
             replica.engine = group.new_engine()
-            replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms)
+            replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms, early=self.config.pull_early)
             replica.last_launch = -1e18
             group.blocked.append(replica)
             replica.asked_at = self.now

@@ -94,7 +94,12 @@ class Group:
             margin_ms=config.margin_ms,
         )
         self.replicas = [
-            SimReplica(sim.next_replica(), self, self.collector_config, PullGate(config.max_batch, config.pull_lead_ms))
+            SimReplica(
+                sim.next_replica(),
+                self,
+                self.collector_config,
+                PullGate(config.max_batch, config.pull_lead_ms, early=config.pull_early),
+            )
             for _ in range(config.replicas[model])
         ]
         for k, replica in enumerate(self.replicas):

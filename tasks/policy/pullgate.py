@@ -11,7 +11,10 @@ starts next:
   model frees before it: what arrives goes to whichever replica starts next. An idle
   peer takes everything (low load: idle replicas first).
 - Either way a busy replica pulls from `lead_ms` before it expects to be free, so its
-  next batch is buffered when the running one ends.
+  next batch is buffered when the running one ends. Without `early`, only then: what
+  arrives earlier waits in the shared queue, where a paid request still goes ahead of
+  every free one, instead of in a buffer filled with free requests a slot before it
+  starts (the take fills the seats left empty, `ReplicaBroker.take`).
 - A continuous engine pulls enough to fill its free slots (with those the step under
   way frees), and one behind them: no more waits in its buffer for a slot that frees
   later while another replica's is free.
@@ -35,6 +38,7 @@ class PullGate:
     lead_ms: float = 40.0
     busy: bool = False
     holding: bool = False  # idle, its next batch held back to spread the starts: it pulls one batch
+    early: bool = True  # busy, it pulls before `lead_ms` too where no peer frees first
     stopping: bool = False
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise
@@ -72,7 +76,7 @@ class PullGate:
             return False
         if now_ms >= self.ends_at_ms - self.lead_ms:  # `pull_at_ms`, asked before every pull
             return True
-        return not self.peer_idle and not self._num_peers_free_first(now_ms, batch_ms)
+        return self.early and not self.peer_idle and not self._num_peers_free_first(now_ms, batch_ms)
 
     def wants_continuous(self, buffered: int, free_slots: int) -> bool:
         """May a continuous engine's replica pull another now?"""
@@ -102,5 +106,7 @@ class PullGate:
             return None
         if buffered >= self.max_batch:
             return self.ends_at_ms
+        if not self.early:
+            return self.pull_at_ms
         first = self.peers_free_first(now_ms, batch_ms)
         return min(self.pull_at_ms, max(first)) if first and not self.peer_idle else self.pull_at_ms

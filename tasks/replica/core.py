@@ -54,7 +54,7 @@ class ReplicaCore:
         self.wake = wake or (lambda: None)
         self.broker = ReplicaBroker(client, config.name, envelope or (lambda job: job.model_dump_json()))
         self.fallback = fallback  # the other cells, where the replica's own broker does not take its answers
-        self.gate = PullGate(config.collector.max_batch, config.pull_lead_ms)
+        self.gate = PullGate(config.collector.max_batch, config.pull_lead_ms, early=config.pull_early)
         self.stats = Stats()
         self.perf = BatchTimes()
         self.lease = LeaseClock(config.lease_ms)

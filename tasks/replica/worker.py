@@ -62,6 +62,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         model,
         collector,
         pull_lead_ms=s.pull_lead_ms,
+        pull_early=s.pull_early,
         heartbeat_s=s.heartbeat_s,
         ttl_s=s.replica_ttl_s,
         lease_ms=s.lease_ms,

@@ -39,6 +39,17 @@ def test_a_busy_replica_pulls_while_no_busy_peer_frees_before_it() -> None:
     assert gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
 
 
+def test_without_early_pulls_a_busy_replica_that_frees_first_waits_for_its_lead() -> None:
+    clock = ManualClock(1000.0)
+    gate = busy_gate(clock, early=False)
+    gate.peers(idle=False, launches=[1000.0 + 5.0])  # the peer started after us: we free first
+    assert not gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
+    assert gate.reopens_at(clock.now_ms(), buffered=0, batch_ms=BATCH_MS) == 1000.0 + BATCH_MS - 40.0
+    clock.advance(BATCH_MS - 40.0)
+    assert gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
+    assert not gate.wants(clock.now_ms(), buffered=8, batch_ms=BATCH_MS)  # still one next batch at most
+
+
 def test_the_gate_reopens_when_the_freeing_peer_has_started_again() -> None:
     clock = ManualClock(1000.0)
     gate = busy_gate(clock)
