@@ -1,10 +1,12 @@
-"""`keybatch bench tiers-sim`: paid against free in the simulator, with the rest of each
-static batch handed back to the queue and without (`HAND_BACK_REST`), and how far urgency
-looks (`SimConfig.rest_horizon`, a share of a slot).
+"""`keybatch bench tiers-sim`: paid against free in the simulator, each case with one switch
+off and on: the rest of each static batch handed back to the queue (`HAND_BACK_REST`, and
+how far urgency looks then, `SimConfig.rest_horizon`, a share of a slot), or busy replicas
+pulling their next batch before their lead (`PULL_EARLY`).
 
-Each case is R replicas of batch B on the fixed 250 ms backend, 30% paid, a 600 ms budget
-and free-slot hedging on (`all`, the default), at shares of R x B per 250 ms. The runs are
-independent: they go side by side in `--processes` processes.
+Each case is R replicas of batch B on the fixed 250 ms backend (plus up to `--jitter-ms`,
+as batches stretch on a CPU-bound machine), 30% paid, a 600 ms budget and free-slot
+hedging on (`all`, the default), at shares of R x B per 250 ms. The runs are independent:
+they go side by side in `--processes` processes.
 """
 
 from __future__ import annotations
@@ -24,13 +26,21 @@ from control.sim.simulate import simulate
 from control.sim.workload import make_workload
 from tasks.policy.collector import REST_HORIZON
 
-Run = tuple[int, int, float, bool, float, float]  # replicas, batch, load, hand back, horizon, seconds
+# replicas, batch, load, hand back, horizon, seconds, pull early, jitter
+Run = tuple[int, int, float, bool, float, float, bool, float]
 
 
 def _one(run: Run) -> dict[str, Any]:
-    replicas, batch, load, hand_back, horizon, seconds = run
+    replicas, batch, load, hand_back, horizon, seconds, early, jitter = run
     config = SimConfig(
-        replicas=[replicas], max_batch=batch, budget_ms=600, hedge="all", hand_back_rest=hand_back, rest_horizon=horizon
+        replicas=[replicas],
+        max_batch=batch,
+        budget_ms=600,
+        hedge="all",
+        hand_back_rest=hand_back,
+        rest_horizon=horizon,
+        pull_early=early,
+        batch_jitter_ms=jitter,
     )
     result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
     tiers, counts = result.by_tier(), result.counts()
@@ -40,6 +50,8 @@ def _one(run: Run) -> dict[str, Any]:
         "load": load,
         "hand_back_rest": hand_back,
         "rest_horizon": horizon if hand_back else None,
+        "pull_early": early,
+        "batch_jitter_ms": jitter,
         "ok_per_s": round(counts.get("ok", 0) / seconds, 1),
         "status_429": counts.get("refused_429", 0),
         "status_504": counts.get("expired_504", 0) + counts.get("late_504", 0),
@@ -59,23 +71,48 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"keybatch bench tiers-sim: {exc}")
         return 2
-    runs: list[Run] = [
-        (r, b, load, hb, REST_HORIZON, args.seconds) for r, b in cases for load in loads for hb in (False, True)
-    ]
-    runs += [(r, b, load, True, h, args.seconds) for r, b in cases for load in (1.1, 2.0) for h in horizons]
+    jitter = args.jitter_ms
+    if args.switch == "pull-early":
+        runs: list[Run] = [
+            (r, b, load, False, REST_HORIZON, args.seconds, early, jitter)
+            for r, b in cases
+            for load in loads
+            for early in (False, True)
+        ]
+    else:
+        runs = [
+            (r, b, load, hb, REST_HORIZON, args.seconds, False, jitter)
+            for r, b in cases
+            for load in loads
+            for hb in (False, True)
+        ]
+        runs += [
+            (r, b, load, True, h, args.seconds, False, jitter)
+            for r, b in cases
+            for load in (1.1, 2.0)
+            for h in horizons
+        ]
     with get_context("fork").Pool(max(1, args.processes)) as pool:
         results = pool.map(_one, runs, chunksize=1)
-    table = Table(title="Paid against free, simulated (hand back the rest: off / on)")
-    for col in ("case", "load", "horizon", "answered 200/s", "504", "paid p99", "free p99", "paid/free p99"):
+    early = args.switch == "pull-early"
+    table = Table(title=f"Paid against free, simulated ({'pull early' if early else 'hand back the rest'}: off / on)")
+    for col in ("case", "load", "pull early" if early else "horizon", "answered 200/s", "504"):
+        table.add_column(col, justify="right")
+    for col in ("paid p50", "free p50", "paid p99", "free p99", "paid/free p99"):
         table.add_column(col, justify="right")
     for r in results:
-        horizon = f"{r['rest_horizon']:.2f}" if r["hand_back_rest"] else "off"
+        if early:
+            arm = "on" if r["pull_early"] else "off"
+        else:
+            arm = f"{r['rest_horizon']:.2f}" if r["hand_back_rest"] else "off"
         table.add_row(
             f"{r['replicas']}x{r['max_batch']}",
             f"{r['load']:.0%}",
-            horizon,
+            arm,
             str(r["ok_per_s"]),
             str(r["status_504"]),
+            str(r["paid"]["p50_ms"]),
+            str(r["free"]["p50_ms"]),
             str(r["paid"]["p99_ms"]),
             str(r["free"]["p99_ms"]),
             str(r["paid_p99_over_free_p99"]),

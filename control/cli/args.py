@@ -284,6 +284,13 @@ def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default="2x32,2x64,4x64,8x64", help="REPLICASxBATCH, comma-separated")
     p.add_argument("--loads", default="0.5,0.7,0.9,1.1,2.0", help="shares of the replicas' capacity")
     p.add_argument("--horizons", default="0.6,0.85", help="other urgency horizons tried at 110%% and 200%%")
+    p.add_argument(
+        "--switch",
+        choices=["hand-back", "pull-early"],
+        default="hand-back",
+        help="what each case runs off and on: HAND_BACK_REST, or PULL_EARLY (then no other horizons)",
+    )
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="a batch takes 250 ms plus up to this much more")
     p.add_argument("--seconds", type=float, default=40.0, help="simulated seconds a run")
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--json", default=None, help="write all figures here")

@@ -118,9 +118,10 @@ class Settings(BaseSettings):
     )
     pull_lead_ms: float = Field(40.0, ge=0, description="a busy replica pulls its next batch this long before it frees")
     pull_early: bool = Field(
-        True,
-        description="a busy replica that frees before its peers pulls its next batch before PULL_LEAD_MS too "
-        "(off: what arrives earlier waits in the shared queue, paid ahead of free; docs/decisions/0031)",
+        False,
+        description="a busy replica that frees before its peers pulls its next batch at once, not only "
+        "PULL_LEAD_MS before it frees (off: what arrives earlier waits in the shared queue, paid ahead of free; "
+        "docs/decisions/0031)",
     )
     deadline_margin_ms: float = Field(15.0, ge=0, description="slack kept for the trip back to the client")
     collector: Literal["native", "chord"] = Field(

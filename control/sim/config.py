@@ -21,7 +21,7 @@ class SimConfig:
     policy: str = "static"  # or "continuous": tasks/policy/scheduler.py plans each step, a cost model prices it
     max_wait_ms: float = 20.0
     pull_lead_ms: float = 40.0
-    pull_early: bool = True  # PULL_EARLY: a busy replica that frees first pulls before its lead too
+    pull_early: bool = False  # PULL_EARLY: a busy replica that frees first pulls before its lead too
     margin_ms: float = 15.0
     budget_ms: float = 540.0  # the client's deadline at the gateway (the SLO less the network)
     max_queue_paid: int = 4096

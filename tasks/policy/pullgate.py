@@ -7,14 +7,15 @@ starts next:
 
 - An idle replica pulls up to two batches (one while it holds its next batch back to
   spread the starts: it starts one batch, later).
-- A busy one pulls at most one next batch, and only while no other replica of its
-  model frees before it: what arrives goes to whichever replica starts next. An idle
+- A busy one pulls at most one next batch, from `lead_ms` before it expects to be free,
+  so its next batch is buffered when the running one ends. What arrives earlier waits
+  in the shared queue, where a paid request still goes ahead of every free one, and
+  the take fills the seats the buffer leaves empty (`ReplicaBroker.take`). An idle
   peer takes everything (low load: idle replicas first).
-- Either way a busy replica pulls from `lead_ms` before it expects to be free, so its
-  next batch is buffered when the running one ends. Without `early`, only then: what
-  arrives earlier waits in the shared queue, where a paid request still goes ahead of
-  every free one, instead of in a buffer filled with free requests a slot before it
-  starts (the take fills the seats left empty, `ReplicaBroker.take`).
+- With `early` (PULL_EARLY), a busy replica that no other frees before pulls its next
+  batch at once: what arrives goes to whichever replica starts next, but into a buffer
+  filled with free requests long before it starts, which a paid request arriving later
+  can displace only where they could wait a whole slot more.
 - A continuous engine pulls enough to fill its free slots (with those the step under
   way frees), and one behind them: no more waits in its buffer for a slot that frees
   later while another replica's is free.
@@ -38,7 +39,7 @@ class PullGate:
     lead_ms: float = 40.0
     busy: bool = False
     holding: bool = False  # idle, its next batch held back to spread the starts: it pulls one batch
-    early: bool = True  # busy, it pulls before `lead_ms` too where no peer frees first
+    early: bool = False  # busy, it pulls before `lead_ms` too where no peer frees first (PULL_EARLY)
     stopping: bool = False
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise

@@ -14,7 +14,7 @@ class ReplicaConfig:
     model: str  # the model it serves first (a move changes the replica's, not this)
     collector: CollectorConfig  # copied by the replica: its batch time follows the engine's
     pull_lead_ms: float = 40.0
-    pull_early: bool = True  # a busy replica pulls before `pull_lead_ms` where no peer frees first
+    pull_early: bool = False  # a busy replica pulls before `pull_lead_ms` too where no peer frees first
     heartbeat_s: float = 1.0
     ttl_s: float = 3.0  # the registry entry outlives a few missed heartbeats
     lease_ms: float = 300.0

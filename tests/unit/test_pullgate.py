@@ -29,9 +29,9 @@ def test_a_busy_replica_with_an_idle_peer_leaves_arrivals_to_the_peer_until_its_
     assert gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
 
 
-def test_a_busy_replica_pulls_while_no_busy_peer_frees_before_it() -> None:
+def test_with_early_pulls_a_busy_replica_pulls_while_no_busy_peer_frees_before_it() -> None:
     clock = ManualClock(1000.0)
-    gate = busy_gate(clock)
+    gate = busy_gate(clock, early=True)
     gate.peers(idle=False, launches=[1000.0 - 10.0])  # the peer started just before: frees just before us
     assert not gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
     assert gate.reopens_at(clock.now_ms(), buffered=0, batch_ms=BATCH_MS) == 1000.0 + BATCH_MS - 40.0
@@ -39,7 +39,7 @@ def test_a_busy_replica_pulls_while_no_busy_peer_frees_before_it() -> None:
     assert gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
 
 
-def test_without_early_pulls_a_busy_replica_that_frees_first_waits_for_its_lead() -> None:
+def test_a_busy_replica_that_frees_first_waits_for_its_lead_all_the_same() -> None:
     clock = ManualClock(1000.0)
     gate = busy_gate(clock, early=False)
     gate.peers(idle=False, launches=[1000.0 + 5.0])  # the peer started after us: we free first
@@ -52,7 +52,7 @@ def test_without_early_pulls_a_busy_replica_that_frees_first_waits_for_its_lead(
 
 def test_the_gate_reopens_when_the_freeing_peer_has_started_again() -> None:
     clock = ManualClock(1000.0)
-    gate = busy_gate(clock)
+    gate = busy_gate(clock, early=True)
     gate.peers(idle=False, launches=[1000.0 - 200.0])  # frees at 1050, before our 1250
     assert not gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
     assert gate.reopens_at(clock.now_ms(), buffered=0, batch_ms=BATCH_MS) == 1050.0

@@ -233,7 +233,7 @@ def test_with_the_rest_of_each_batch_handed_back_paid_requests_take_the_next_sta
     }
     tiers = {hb: run.by_tier() for hb, run in runs.items()}
     p50 = {hb: t["paid"]["p50_ms"] / t["free"]["p50_ms"] for hb, t in tiers.items()}
-    assert p50[True] <= 0.8 and p50[False] >= 0.95, p50  # kept buffered, free requests urgent there run first
+    assert p50[True] <= 0.8 and p50[False] >= 0.9, p50  # kept buffered, free requests urgent there run first
     assert tiers[True]["paid"]["p99_ms"] <= tiers[False]["paid"]["p99_ms"]
     assert runs[True].stats["rest_handed_back"] > 0 and runs[False].stats["rest_handed_back"] == 0
     ok = {hb: run.counts()["ok"] for hb, run in runs.items()}
@@ -256,6 +256,13 @@ def test_the_tiers_bench_writes_both_arms_of_each_case(tmp_path: Path) -> None:
     ]
     assert runs[0]["rest_handed_back"] == 0 < runs[1]["rest_handed_back"]
     assert main(["bench", "tiers-sim", "--cases", "2y32"]) == 2
+    switched = [*args, "--switch", "pull-early", "--jitter-ms", "40", "--processes", "1", "--json", str(out)]
+    assert main(switched) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["pull_early"], r["hand_back_rest"], r["batch_jitter_ms"]) for r in runs] == [
+        (False, False, 40.0),
+        (True, False, 40.0),
+    ]
 
 
 def test_saturated_replicas_that_stagger_as_live_ones_do_do_not_start_in_clumps() -> None:
@@ -268,3 +275,17 @@ def test_saturated_replicas_that_stagger_as_live_ones_do_do_not_start_in_clumps(
     # 8 replicas of 250 ms batches: evenly spread, a start every 31 ms; in clumps, most
     # starts follow another within a millisecond.
     assert median_gap[True] >= 20.0 and median_gap[False] <= 5.0, median_gap
+
+
+def test_with_batch_times_that_vary_paid_requests_are_ahead_only_where_busy_replicas_leave_arrivals_queued() -> None:
+    """Batches that take 250-290 ms (as on a CPU-bound machine): a busy replica that pulls
+    its next batch as soon as no peer frees before it (PULL_EARLY) fills its buffer with
+    free requests a slot ahead, and a paid request arriving after them waits for the start
+    after. Left in the queue until a lead before the start, paid requests go first."""
+    workload = make_workload(1.1 * 2 * 32 * 4, 20, paid_fraction=0.3, seed=1)
+    ratio = {}
+    for early in (True, False):
+        config = make_config(2, max_batch=32, budget_ms=600, batch_jitter_ms=40.0, pull_early=early)
+        tiers = simulate(config, workload).by_tier()
+        ratio[early] = tiers["paid"]["p99_ms"] / tiers["free"]["p99_ms"]
+    assert ratio[False] <= 0.85 and ratio[True] >= 0.95, ratio
