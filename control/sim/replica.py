@@ -90,8 +90,9 @@ class ReplicaSide(SimState):
         self._shut(replica, in_flight=True)
 
     def _try_launch(self, replica: SimReplica) -> None:
-        """`Replica._take`: drop what was cancelled or expired, let paid requests still in the
-        queue in ahead of buffered free ones, then start a batch if one is due."""
+        """`Loop.take`: drop what was cancelled or expired; once a batch is due (the stagger
+        applied), let paid requests still in the queue in ahead of buffered free ones and
+        fill the seats the buffer leaves empty, then start it."""
         if replica.busy or not replica.alive:
             return
         collector, group, now = replica.collector, replica.group, self.now
@@ -119,8 +120,8 @@ class ReplicaSide(SimState):
         # the buffer leaves empty.
         room = collector.num_free()
         fill = max(0, collector.config.max_batch - len(collector))
-        taken = self._take_queued(replica, group.paid_queue, PAID, room + fill)
-        self._take_queued(replica, group.free_queue, FREE, min(fill, room + fill - taken))
+        popped = self._take_queued(replica, group.paid_queue, PAID, room + fill)
+        self._take_queued(replica, group.free_queue, FREE, min(fill, room + fill - popped))
         self._drop_expired(replica)
         batch = collector.pop_batch()
         if horizon < group.batch_ms and collector.waiting:
@@ -145,15 +146,16 @@ class ReplicaSide(SimState):
         self._pull(replica)
 
     def _take_queued(self, replica: SimReplica, queue: deque[int], tier: Tier, most: int) -> int:
-        """Up to `most` requests from the front of `queue` into the replica's buffer; what
-        left the waiting set meanwhile (cancelled, answered 504) is dropped on the way."""
-        taken = 0
-        while taken < most and queue:
+        """Pop up to `most` entries from the front of `queue` (the take's RPOP with a count)
+        into the replica's buffer; what left the waiting set meanwhile (cancelled, answered
+        504) counts against `most` and is dropped. Returns the entries popped."""
+        popped = 0
+        while popped < most and queue:
             j = queue.popleft()
+            popped += 1
             if self.state[j] == WAITING:
                 replica.collector.add(Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now))
-                taken += 1
-        return taken
+        return popped
 
     def _drop_expired(self, replica: SimReplica) -> None:
         """What can no longer finish in time leaves the buffer: answered 504."""

@@ -39,7 +39,7 @@ class PullGate:
     lead_ms: float = 40.0
     busy: bool = False
     holding: bool = False  # idle, its next batch held back to spread the starts: it pulls one batch
-    early: bool = False  # busy, it pulls before `lead_ms` too where no peer frees first (PULL_EARLY)
+    early: bool = False  # busy, it pulls before `lead_ms` too where no busy peer frees first (PULL_EARLY)
     stopping: bool = False
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise

@@ -83,10 +83,11 @@ class Intake:
 
     def _hands_back(self, job: p.Job) -> bool:
         """A pull sent before the gate shut (`kombu_internals.gate_pulls` lets it finish)
-        brought a request this replica would not have pulled now: a peer frees first, or
-        its buffer is full. Here it would wait for a batch to end; it goes back to the front
-        of its queue instead, for the consumer that asks next (each consumer hands back
-        at most the one message its last pull brings, so it does not circle). A replica
+        brought a request this replica would not have pulled now: it is busy and not yet in
+        its lead (or, with PULL_EARLY, a peer frees first), or its buffer is full. Here it
+        would wait for a batch to end; it goes back to the front of its queue instead, for
+        the consumer that asks next (each consumer hands back at most the one message its
+        last pull brings, so it does not circle). A replica
         that is draining keeps it and runs it; one that is stopping hands it back whatever
         `hand_back` says (its loop may have run its last batch, and a request kept then
         would wait for its deadline)."""

@@ -41,7 +41,7 @@ def test_the_worker_builds_the_config_from_the_settings() -> None:
         stall_ms=900.0,
         max_clock_error_ms=11.0,
         hand_back_pulls=False,
-        pull_early=False,
+        pull_early=True,
     )
     config = replica_config(settings, "r-1", "small", FixedLatencyEngine(6, 123.0))
     assert (config.name, config.model) == ("r-1", "small")
@@ -49,4 +49,4 @@ def test_the_worker_builds_the_config_from_the_settings() -> None:
     assert (config.pull_lead_ms, config.heartbeat_s, config.ttl_s) == (12.0, 0.7, 4.5)
     assert (config.lease_ms, config.stall_ms, config.max_clock_error_ms) == (450.0, 900.0, 11.0)
     assert not config.hand_back
-    assert not config.pull_early
+    assert config.pull_early
