@@ -112,9 +112,10 @@ class Verdict(IntEnum):
 
 
 def position(tier: Tier, paid_waiting: int, free_waiting: int) -> int:
-    """1-based queue position of a new request in line (`lane_position` without the lists
-    of requests behind other keys' ones)."""
-    return lane_position(tier, Depths(paid=paid_waiting, free=free_waiting), behind=False)
+    """1-based queue position of a new request in line: `lane_position` without the lists
+    of requests behind other keys' ones, where both tiers count every request waiting
+    (worked out here without building a `Depths`: the simulator asks it per arrival)."""
+    return paid_waiting + free_waiting + 1
 
 
 def predict_ms(position: int, capacity: Capacity) -> float:

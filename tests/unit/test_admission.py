@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from control.core.vocab import FREE, PAID, Tier
+from control.policy import admission
 from control.policy.admission import (
     Capacity,
     Limits,
@@ -201,3 +205,10 @@ def test_a_key_is_alone_until_another_key_of_its_tier_asks_and_for_a_while_after
     assert seen.alone("m", "free", "a", 1001.0 + LONE_MEMORY_MS)
     assert not seen.alone("m", "free", "b", 2000.0)  # a asked lately: b is not alone
     assert seen.alone("m", "paid", "c", 2000.0) and seen.alone("other-model", "free", "a", 2000.0)
+
+
+@pytest.mark.parametrize("tier", [PAID, FREE])
+def test_a_position_in_line_is_the_lane_position_without_the_lists_behind(tier: Tier) -> None:
+    for paid, free in [(0, 0), (3, 0), (0, 5), (7, 11)]:
+        lane = admission.lane_position(tier, admission.Depths(paid=paid, free=free), behind=False)
+        assert admission.position(tier, paid, free) == lane
