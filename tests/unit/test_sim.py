@@ -15,7 +15,7 @@ from control.sim import group as sim_group
 from control.sim.config import SimConfig
 from control.sim.cost import CostModel
 from control.sim.simulate import Simulation, simulate
-from control.sim.states import CANCELLED, EXPIRED, LATE, OK, REFUSED
+from control.sim.states import CANCELLED, EXPIRED, LATE, OK, REFUSED, WAITING
 from control.sim.workload import make_workload
 from tasks.policy.collector import Collector
 from tasks.policy.pullgate import PullGate
@@ -289,3 +289,30 @@ def test_with_batch_times_that_vary_paid_requests_are_ahead_only_where_busy_repl
         tiers = simulate(config, workload).by_tier()
         ratio[early] = tiers["paid"]["p99_ms"] / tiers["free"]["p99_ms"]
     assert ratio[False] <= 0.85 and ratio[True] >= 0.95, ratio
+
+
+def test_a_due_take_brings_late_paid_requests_and_fills_the_empty_seats_counting_what_left_the_queue() -> None:
+    """The simulated take, request by request (`ReplicaBroker.take`'s caps): paid requests
+    up to the buffer's displaceable free ones plus its empty seats, then free ones up to the
+    empty seats left; an entry that left the waiting set (here cancelled) counts against
+    its pop and is dropped."""
+    run = Simulation(make_config(1, max_batch=4, budget_ms=600), make_workload(400, 1, paid_fraction=0.5, seed=2))
+    group, replica = run.groups[0], run.groups[0].replicas[0]
+    paid = [i for i in range(len(run.t)) if run.paid[i]][:4]
+    free = [i for i in range(len(run.t)) if not run.paid[i]][:4]
+    run.now = max(run.t[i] for i in paid + free)  # everyone has arrived; all can still finish
+    for i in paid + free:
+        run.state[i] = WAITING
+        group.num_waiting[run.paid[i]] += 1
+    run.state[paid[1]] = CANCELLED  # superseded while queued
+    group.num_waiting[1] -= 1
+    run._take(replica, free[0])  # buffered: one free request, three empty seats
+    replica.collector.urgent_before_ms = 0.0
+    group.paid_queue.extend(paid)
+    group.free_queue.extend(free[1:])
+    replica.collector.config.max_wait_ms = 0.0  # the batch is due at once
+    run._try_launch(replica)
+    launched = sorted(int(p.payload) for p in replica.batch)
+    # room 1 (the buffered free one can wait) + fill 3: four paid pops, the cancelled one dropped
+    assert launched == sorted([paid[0], paid[2], paid[3], free[0]])
+    assert list(group.paid_queue) == [] and list(group.free_queue) == free[1:]  # no seat left for free
