@@ -100,9 +100,9 @@ class ReplicaSide(SimState):
         if gone:
             collector.remove(gone)
         config = self.config
-        peers = self._peer_launches(replica) if config.hand_back_rest or config.stagger_saturated else []
         horizon = group.batch_ms
         if config.hand_back_rest:
+            peers = self._peer_launches(replica)
             horizon = collector.urgent_horizon_ms(now, peers, group.batch_ms, config.rest_horizon)
         collector.urgent_before_ms = now + horizon
         self._drop_expired(replica)
@@ -110,7 +110,7 @@ class ReplicaSide(SimState):
         if wait is None:
             return
         if wait == 0 and config.stagger_saturated:  # `StaticPolicy._start_at`
-            wait = collector.staggered_start_ms(now, peers, group.batch_ms) - now
+            wait = collector.staggered_start_ms(now, self._peer_launches(replica), group.batch_ms) - now
             replica.gate.holding = wait > 0
         if wait > 0:
             self._timer(replica, LAUNCH, now + wait)
@@ -139,7 +139,8 @@ class ReplicaSide(SimState):
         replica.batch, replica.busy = batch, True
         replica.last_launch, replica.ends_at = now, now + duration
         replica.gate.start(now, group.batch_ms)
-        replica.gate.peers(idle=self._peer_idle(replica), launches=self._peer_launches(replica))
+        if replica.gate.early:  # what the gate knows of its peers matters only to an early pull
+            replica.gate.peers(idle=self._peer_idle(replica), launches=self._peer_launches(replica))
         self.stats["batches"] += 1
         self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
@@ -276,6 +277,7 @@ class ReplicaSide(SimState):
 
     def _end(self, replica: SimReplica) -> None:
         now, state, group = self.now, self.state, replica.group
+        num = 0  # the batch's own requests: copies do not count as its load
         for pending in replica.batch:
             j = pending.payload
             if is_copy(pending):  # it answers if its request is still unanswered
@@ -289,17 +291,18 @@ class ReplicaSide(SimState):
                 else:
                     self.stats["hedge_wasted"] += 1
                 continue
+            num += 1
             group.stopped(pending, self.paid[j])
             if state[j] == RUNNING:
                 state[j] = OK if now <= pending.deadline_ms else LATE
                 self.end_ms[j] = now
-        num = sum(not is_copy(pending) for pending in replica.batch)  # copies do not count as its load
         self.batch_sizes.append(num)
         replica.batch, replica.busy = [], False
         replica.gate.finish()
         launches = self._peer_launches(replica)
         replica.collector.stagger_from(launches, num, now)
-        replica.gate.peers(launches=launches)
+        if replica.gate.early:
+            replica.gate.peers(launches=launches)
         # Overlapped, as live (tasks/replica/loop.py): the next batch is taken as this one
         # ends, the seats its buffer leaves filled from the queue, before the consumer pulls.
         self._try_launch(replica)

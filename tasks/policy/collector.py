@@ -120,13 +120,15 @@ class Collector:
         return self._num_displaced(lambda p: p.behind and p.tier == FREE)
 
     def _num_displaced(self, displaceable: Callable[[Pending], bool]) -> int:
+        c = self.config
+        urgent_before = self.urgent_before_ms
         urgent = movable = 0
         for pending in self.waiting:
-            if self.is_urgent(pending):
+            if pending.deadline_ms - c.batch_ms - c.margin_ms < urgent_before:  # `is_urgent`, inlined
                 urgent += 1
             elif displaceable(pending):
                 movable += 1
-        return max(0, min(movable, self.config.max_batch - urgent))
+        return max(0, min(movable, c.max_batch - urgent))
 
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]
@@ -238,9 +240,10 @@ class Collector:
 
     def pop_expired(self, now_ms: float) -> list[Pending]:
         """Take out the requests that can no longer finish before their deadline."""
-        late = [p for p in self.waiting if not self.can_finish(p, now_ms)]
+        cutoff = now_ms + self.config.batch_ms + self.config.margin_ms  # `can_finish`, inlined
+        late = [p for p in self.waiting if cutoff > p.deadline_ms]
         if late:
-            self.waiting = [p for p in self.waiting if self.can_finish(p, now_ms)]
+            self.waiting = [p for p in self.waiting if cutoff <= p.deadline_ms]
         return late
 
     def pop_batch(self, limit: int | None = None) -> list[Pending]:
