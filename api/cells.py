@@ -58,13 +58,15 @@ class BrokerHealth:
 class Cell:
     """One broker and what this gateway process keeps of it."""
 
-    def __init__(self, index: int, client: redis.Redis, broker_timeout_ms: float) -> None:
+    def __init__(self, index: int, client: redis.Redis, broker_timeout_ms: float, phased: bool = False) -> None:
         self.index = index
         self.redis = client
         # The registry is read in the background, on its own connection and with room to
         # answer: a read timed out on the request path's bound left a new process with an
         # empty view of the fleet, which answered its first requests 503 `no_replica`.
-        self.fleet = FleetView(client_like(client, socket_timeout=1.0, socket_connect_timeout=0.5), cell=index)
+        # With `phased`, the replicas' launches too (ADMIT_PHASED).
+        fleet_client = client_like(client, socket_timeout=1.0, socket_connect_timeout=0.5)
+        self.fleet = FleetView(fleet_client, cell=index, phased=phased)
         self.health = BrokerHealth()
         self.admit = Admit(client)
         self.cancel = Cancel(client)
@@ -83,5 +85,7 @@ class Cell:
         self.arrivals: Counter[str] = Counter()
         self.arrivals_lock = threading.Lock()
         self.depth: dict[str, tuple[admission.Depths, float]] = {}  # model -> waiting, when seen
-        # Paid requests per model that this process sent to this cell.
+        # Paid requests per model that this process sent to this cell; and all it asked
+        # the cell to admit, where admission counts the replicas' phases below capacity.
         self.paid_rate: dict[str, admission.RateMeter] = {}
+        self.demand: dict[str, admission.RateMeter] = {}

@@ -104,7 +104,7 @@ class Gateway:
     ) -> None:
         self.settings = settings
         clients = clients if isinstance(clients, list) else [clients]
-        self.cells = [Cell(i, c, settings.broker_timeout_ms) for i, c in enumerate(clients)]
+        self.cells = [Cell(i, c, settings.broker_timeout_ms, settings.admit_phased) for i, c in enumerate(clients)]
         self.celery = celery
         self.clock = clock
         self.id = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
@@ -289,6 +289,8 @@ class Gateway:
             # want of room (a free key filling the queue must not hide them), not when
             # refused by their own key's limits.
             cell.paid_rate[job.model].add(self.clock.now_ms())
+        if cell.fleet.phased:  # the demand, admitted or not: ADMIT_PHASED counts phases below capacity
+            cell.demand.setdefault(job.model, admission.RateMeter()).add(self.clock.now_ms())
         if verdict == Verdict.ADMIT and waiter is not None:
             self.metrics.inflight.inc()
             return waiter
@@ -312,7 +314,9 @@ class Gateway:
         # Each process sees its share of the paid traffic (connections spread evenly).
         meter = cell.paid_rate.setdefault(job.model, admission.RateMeter())
         paid_rate = meter.rate(now_ms) * self.settings.api_processes
-        return admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate)
+        demand = cell.demand.get(job.model)
+        demand_rps = demand.rate(now_ms) * self.settings.api_processes if demand is not None else None
+        return admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps)
 
     def _register(self, waiter: Waiter) -> None:
         with self._lock:

@@ -1,7 +1,8 @@
 """`keybatch bench tiers-sim`: paid against free in the simulator, each case with one switch
 off and on: the rest of each static batch handed back to the queue (`HAND_BACK_REST`, and
-how far urgency looks then, `SimConfig.rest_horizon`, a share of a slot), or busy replicas
-pulling their next batch before their lead (`PULL_EARLY`).
+how far urgency looks then, `SimConfig.rest_horizon`, a share of a slot), busy replicas
+pulling their next batch before their lead (`PULL_EARLY`), or admission counting the
+starts the replicas' phases hold (`ADMIT_PHASED`).
 
 Each case is R replicas of batch B on the fixed 250 ms backend (plus up to `--jitter-ms`,
 as batches stretch on a CPU-bound machine), 30% paid, a 600 ms budget and free-slot
@@ -26,12 +27,12 @@ from control.sim.simulate import simulate
 from control.sim.workload import make_workload
 from tasks.policy.collector import REST_HORIZON
 
-# replicas, batch, load, hand back, horizon, seconds, pull early, jitter
-Run = tuple[int, int, float, bool, float, float, bool, float]
+# replicas, batch, load, hand back, horizon, seconds, pull early, jitter, admit phased
+Run = tuple[int, int, float, bool, float, float, bool, float, bool]
 
 
 def _one(run: Run) -> dict[str, Any]:
-    replicas, batch, load, hand_back, horizon, seconds, early, jitter = run
+    replicas, batch, load, hand_back, horizon, seconds, early, jitter, phased = run
     config = SimConfig(
         replicas=[replicas],
         max_batch=batch,
@@ -41,6 +42,7 @@ def _one(run: Run) -> dict[str, Any]:
         rest_horizon=horizon,
         pull_early=early,
         batch_jitter_ms=jitter,
+        admit_phased=phased,
     )
     result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
     tiers, counts = result.by_tier(), result.counts()
@@ -52,6 +54,7 @@ def _one(run: Run) -> dict[str, Any]:
         "rest_horizon": horizon if hand_back else None,
         "pull_early": early,
         "batch_jitter_ms": jitter,
+        "admit_phased": phased,
         "ok_per_s": round(counts.get("ok", 0) / seconds, 1),
         "status_429": counts.get("refused_429", 0),
         "status_504": counts.get("expired_504", 0) + counts.get("late_504", 0),
@@ -74,35 +77,44 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
     jitter = args.jitter_ms
     if args.switch == "pull-early":
         runs: list[Run] = [
-            (r, b, load, False, REST_HORIZON, args.seconds, early, jitter)
+            (r, b, load, False, REST_HORIZON, args.seconds, early, jitter, False)
             for r, b in cases
             for load in loads
             for early in (False, True)
         ]
+    elif args.switch == "admit-phased":
+        runs = [
+            (r, b, load, False, REST_HORIZON, args.seconds, False, jitter, phased)
+            for r, b in cases
+            for load in loads
+            for phased in (False, True)
+        ]
     else:
         runs = [
-            (r, b, load, hb, REST_HORIZON, args.seconds, False, jitter)
+            (r, b, load, hb, REST_HORIZON, args.seconds, False, jitter, False)
             for r, b in cases
             for load in loads
             for hb in (False, True)
         ]
         runs += [
-            (r, b, load, True, h, args.seconds, False, jitter)
+            (r, b, load, True, h, args.seconds, False, jitter, False)
             for r, b in cases
             for load in (1.1, 2.0)
             for h in horizons
         ]
     with get_context("fork").Pool(max(1, args.processes)) as pool:
         results = pool.map(_one, runs, chunksize=1)
-    early = args.switch == "pull-early"
-    table = Table(title=f"Paid against free, simulated ({'pull early' if early else 'hand back the rest'}: off / on)")
-    for col in ("case", "load", "pull early" if early else "horizon", "answered 200/s", "504"):
+    switch = {"pull-early": "pull early", "admit-phased": "admit phased"}.get(args.switch, "hand back the rest")
+    table = Table(title=f"Paid against free, simulated ({switch}: off / on)")
+    for col in ("case", "load", switch if args.switch != "hand-back" else "horizon", "answered 200/s", "429", "504"):
         table.add_column(col, justify="right")
     for col in ("paid p50", "free p50", "paid p99", "free p99", "paid/free p99"):
         table.add_column(col, justify="right")
     for r in results:
-        if early:
+        if args.switch == "pull-early":
             arm = "on" if r["pull_early"] else "off"
+        elif args.switch == "admit-phased":
+            arm = "on" if r["admit_phased"] else "off"
         else:
             arm = f"{r['rest_horizon']:.2f}" if r["hand_back_rest"] else "off"
         table.add_row(
@@ -110,6 +122,7 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
             f"{r['load']:.0%}",
             arm,
             str(r["ok_per_s"]),
+            str(r["status_429"]),
             str(r["status_504"]),
             str(r["paid"]["p50_ms"]),
             str(r["free"]["p50_ms"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -20,7 +21,7 @@ import redis
 
 from control.broker import keys
 from control.broker.records import ENGINE_PREFIX, ReplicaInfo, parse_replica_entry
-from control.policy.admission import Capacity, pooled_capacity
+from control.policy.admission import Capacity, phases_of, pooled_capacity
 
 __all__ = ["ENGINE_PREFIX", "FleetView", "FleetViews", "ReplicaInfo", "capacity_of", "read_fleet"]
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 # A registry this much older than the last read comes from another clock (a broker failed
 # over to another host), not from an old sweep: a sweep's registry lives 10 locks (900 ms).
 CLOCK_STEP_MS = 1000.0
+LAUNCH_REFRESH_S = 0.05  # how often the replicas' launches are read (ADMIT_PHASED)
+PHASE_HORIZON_MS = 2000.0  # starts are foreseen this far; a longer budget counts as before
 
 
 def read_fleet(client: redis.Redis, cell: int = 0) -> list[ReplicaInfo]:
@@ -80,20 +83,36 @@ def _parse_fleet_digest(raw: bytes | str, cell: int) -> tuple[float, list[Replic
     return float(now_ms), sorted(fleet, key=lambda rep: rep.name)
 
 
-def capacity_of(fleet: list[ReplicaInfo], model: str) -> Capacity:
-    """What the model's ready replicas serve: their engines' batch and their measured cycles."""
+def capacity_of(
+    fleet: list[ReplicaInfo],
+    model: str,
+    launches: dict[str, float] | None = None,
+    read_ms: float = 0.0,
+) -> Capacity:
+    """What the model's ready replicas serve: their engines' batch and their measured cycles;
+    with `launches` (replica -> its last launch, epoch ms, read at `read_ms`), when each
+    starts next (`admission.phases_of`)."""
     ready = [r for r in fleet if r.model == model and r.is_ready]
     capacity = pooled_capacity([(r.max_batch, r.batch_ms, r.cycle_ms) for r in ready])
-    return replace(capacity, join_ms=max((r.join_ms for r in ready), default=0.0))
+    capacity = replace(capacity, join_ms=max((r.join_ms for r in ready), default=0.0))
+    if launches is None or not ready or capacity.join_ms > 0:
+        return capacity
+    last = [launches.get(r.name, -math.inf) for r in ready]
+    return replace(capacity, phases=phases_of(last, read_ms, capacity.slot_ms, PHASE_HORIZON_MS))
 
 
 class FleetView:
     """A copy of the registry, refreshed in the background every `refresh_s`."""
 
-    def __init__(self, client: redis.Redis, refresh_s: float = 0.25, cell: int = 0) -> None:
+    def __init__(self, client: redis.Redis, refresh_s: float = 0.25, cell: int = 0, phased: bool = False) -> None:
         self.client = client
         self.cell = cell
         self.refresh_s = refresh_s
+        # ADMIT_PHASED: the static replicas' launches, read every LAUNCH_REFRESH_S, for
+        # admission to count the starts their phases hold.
+        self.phased = phased
+        self.launches: dict[str, dict[str, float]] = {}  # model -> replica -> last launch (epoch ms)
+        self.launches_read_ms = 0.0  # the broker's time of that read
         self.replicas: list[ReplicaInfo] = []
         self._capacity: dict[str, Capacity] = {}  # per model, for the `replicas` read last
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
@@ -137,9 +156,34 @@ class FleetView:
         except redis.RedisError:
             self.is_reachable = False
 
+    def refresh_launches(self) -> None:
+        """Read each model's launch list (`keys.launch_key`) and the broker's time."""
+        models = sorted({r.model for r in self.replicas})
+        if not models:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for model in models:
+                pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
+            pipe.time()
+            *lists, (seconds, micros) = pipe.execute()
+        except redis.RedisError:
+            return
+        self.launches = {
+            model: {name.decode(): float(at) for name, at in found} for model, found in zip(models, lists, strict=True)
+        }
+        self.launches_read_ms = seconds * 1000 + micros / 1000
+        self._capacity = {}
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.refresh_s):
-            self.refresh()
+        every = LAUNCH_REFRESH_S if self.phased else self.refresh_s
+        last = time.monotonic()
+        while not self._stop.wait(every):
+            if time.monotonic() - last >= self.refresh_s - every / 2:
+                self.refresh()
+                last = time.monotonic()
+            if self.phased:
+                self.refresh_launches()
 
     def age_s(self) -> float:
         """Seconds since the registry was last read."""
@@ -150,7 +194,8 @@ class FleetView:
         cache = self._capacity  # a refresh meanwhile starts a new one
         capacity = cache.get(model)
         if capacity is None:
-            capacity = cache[model] = capacity_of(self.replicas, model)
+            launches = self.launches.get(model) if self.phased else None
+            capacity = cache[model] = capacity_of(self.replicas, model, launches, self.launches_read_ms)
         return capacity
 
 

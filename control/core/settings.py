@@ -124,6 +124,12 @@ class Settings(BaseSettings):
         "docs/decisions/0031)",
     )
     deadline_margin_ms: float = Field(15.0, ge=0, description="slack kept for the trip back to the client")
+    admit_phased: bool = Field(
+        False,
+        description="below capacity, admission counts the batch starts that the static replicas' launches, read "
+        "every 50 ms, hold before a request's last start, where they hold more than the worst phase "
+        "(docs/decisions/0032)",
+    )
     collector: Literal["native", "chord"] = Field(
         "native",
         description="native: a replica runs its batches itself; chord: each as a Celery chord (docs/decisions/0001)",

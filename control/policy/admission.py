@@ -18,10 +18,23 @@ its tier delays itself, not the others. The admission script (api/gateway.py) ap
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from enum import IntEnum
 
 from control.core.vocab import FREE, PAID, Tier
+
+
+@dataclass(frozen=True)
+class Phases:
+    """When a model's static replicas start their next batches, as last seen: the starts
+    (epoch ms, in order) of those in phase, each a slot after the last up to `until_ms`,
+    and how many are idle. Made by `phases_of`."""
+
+    starts_ms: tuple[float, ...]
+    num_idle: int
+    until_ms: float
+    slot_ms: float
 
 
 @dataclass(frozen=True)
@@ -31,13 +44,15 @@ class Capacity:
     `batch_ms` is the engine's expected batch (what a replica's own rule that a request
     must start by its deadline less one batch uses); `cycle_ms` the measured time a batch
     slot takes on the replica, start to ready again (pop, settle, run, deliver: ~272 ms for
-    a 250 ms engine), 0.0 until measured. Slots open at the cycle's pace (`slot_ms`)."""
+    a 250 ms engine), 0.0 until measured. Slots open at the cycle's pace (`slot_ms`).
+    `phases`: when the static replicas start next, where their launches were read."""
 
     num_replicas: int
     max_batch: int
     batch_ms: float
     cycle_ms: float = 0.0
     join_ms: float = 0.0  # continuous replicas: a taken request waits up to a step to join
+    phases: Phases | None = None
 
     @property
     def slot_ms(self) -> float:
@@ -171,14 +186,72 @@ def check(budget_ms: float, capacity: Capacity, limits: Limits) -> Verdict:
 PAID_SPREAD = 1.0  # standard deviations of the paid arrivals a free request leaves room for
 
 
-def paid_reserve(paid_rate_rps: float, within_ms: float) -> int:
+def paid_reserve(paid_rate_rps: float, within_ms: float, spread: float = PAID_SPREAD) -> int:
     """Room for the paid requests expected within `within_ms`, and for their spread:
-    arrivals are Poisson, so as many again as one standard deviation (sqrt of the mean)."""
+    arrivals are Poisson, so as many again as `spread` standard deviations (sqrt of the mean)."""
     expected = paid_rate_rps * within_ms / 1000.0
-    return math.ceil(expected + PAID_SPREAD * math.sqrt(expected))
+    return math.ceil(expected + spread * math.sqrt(expected))
 
 
-def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
+# A start foreseen this long ago still counts: its replica is late (a slot longer than its
+# measured cycle) and has not taken its batch, or took it and has not yet settled it, so its
+# requests still wait in the sets admission counts.
+LATE_MS = 20.0
+IDLE_AFTER = 1.5  # slots without a launch: the replica's batch ended and nothing came, it is idle
+PHASED_SPREAD = 2.0  # standard deviations of paid arrivals a free request leaves room for, where starts are known
+PHASED_BELOW = 0.95  # of the replicas' rate: the phases are counted only while the demand is below it
+
+
+def phases_of(launches_ms: list[float], now_ms: float, slot_ms: float, horizon_ms: float) -> Phases:
+    """The replicas' next starts from their last launches (epoch ms; -inf: none seen). One
+    that launched within `IDLE_AFTER` slots starts its next batches a slot apart from its
+    last (the stagger keeps a saturated replica's phase; one gone idle since starts as
+    work reaches it, sooner; one running late, a few ms later, within the margin); one
+    that did not is idle."""
+    starts: list[float] = []
+    idle = 0
+    until = now_ms + horizon_ms
+    step = max(slot_ms, 1.0)
+    for last in launches_ms:
+        if now_ms - last > IDLE_AFTER * step:
+            idle += 1
+            continue
+        at = last + step
+        while at <= until:
+            starts.append(at)
+            at += step
+    starts.sort()
+    return Phases(tuple(starts), idle, until, step)
+
+
+def phased_starts(phases: Phases, from_ms: float, to_ms: float) -> tuple[int, float] | None:
+    """Batch starts in (`from_ms` - `LATE_MS`, `to_ms`], epoch ms, and the last of them
+    (`from_ms` if none); None where `to_ms` is past what `phases` foresees. A replica idle
+    when the launches were read may have started a batch since, the moment before
+    `from_ms` at the worst: its starts are counted from a slot after that. (Counted as
+    starting one as work reaches it, a burst on an idle pair was admitted for two starts
+    that had taken their batches a moment before.)"""
+    if to_ms > phases.until_ms:
+        return None
+    starts = phases.starts_ms
+    lo, hi = bisect_right(starts, from_ms - LATE_MS), bisect_right(starts, to_ms)
+    count, last = hi - lo, starts[hi - 1] if hi > lo else from_ms
+    each = math.floor((to_ms - from_ms) / phases.slot_ms) if to_ms > from_ms else 0
+    if phases.num_idle and each > 0:
+        count += phases.num_idle * each
+        last = max(last, from_ms + each * phases.slot_ms)
+    return count, last
+
+
+def max_position(
+    tier: Tier,
+    budget_ms: float,
+    capacity: Capacity,
+    limits: Limits,
+    paid_rate_rps: float = 0.0,
+    now_ms: float | None = None,
+    demand_rps: float | None = None,
+) -> int:
     """The deepest queue position (1-based) at which the request still fits.
 
     Every request in line counts, paid ones included (`lane_position`): a static replica
@@ -196,10 +269,32 @@ def max_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limit
     """
     slots = max_slots(budget_ms, capacity, limits)
     deepest = max_depth(budget_ms, capacity, limits)
+    below = demand_rps is not None and demand_rps < PHASED_BELOW * capacity.requests_per_s
+    phased = _phased_slots(budget_ms, capacity, limits, now_ms) if below else None
+    if phased is not None and phased[0] > slots and now_ms is not None:
+        # The starts as seen hold more than the worst phase: a request arriving just before
+        # a start rides it, and the one a budget's last slot allows. Only below capacity:
+        # past it the queue stays at its limit, and a deeper one only moves free requests'
+        # answers later, and paid ones with them (docs/decisions/0032).
+        count, last = phased
+        deepest = count * capacity.max_batch
+        if tier == FREE:
+            deepest = max(1, deepest - paid_reserve(paid_rate_rps, last - now_ms, PHASED_SPREAD))
+        return min(deepest, limits.max_queue(tier))
     if tier == FREE:
         before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
         deepest = max(1, deepest - paid_reserve(paid_rate_rps, before_last))
     return min(deepest, limits.max_queue(tier))
+
+
+def _phased_slots(
+    budget_ms: float, capacity: Capacity, limits: Limits, now_ms: float | None
+) -> tuple[int, float] | None:
+    """Starts a request of this budget may ride, counted from the replicas' phases (static
+    replicas whose launches were read), and when the last is; None where not known."""
+    if capacity.phases is None or now_ms is None or capacity.join_ms > 0:
+        return None
+    return phased_starts(capacity.phases, now_ms, now_ms + latest_start_ms(budget_ms, capacity, limits))
 
 
 class RateMeter:

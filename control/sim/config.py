@@ -27,6 +27,11 @@ class SimConfig:
     max_queue_paid: int = 4096
     max_queue_free: int = 2048
     admission_refresh_ms: float = 10.0  # how often a group's admission limits are worked out again
+    # ADMIT_PHASED: below capacity, admission counts the starts the replicas' phases hold
+    # (read every `launch_refresh_ms`, as a gateway reads the launch list), where they hold
+    # more than the worst phase does.
+    admit_phased: bool = False
+    launch_refresh_ms: float = 50.0
     host_size: int = 8  # replicas a host carries (a group's replicas fill hosts in turn)
     # Free-slot hedging (tasks/policy/hedging.py): a static batch's empty slots carry
     # copies of requests running on another host's replicas: "off", "paid" or "all".

@@ -35,6 +35,7 @@ class FaultSide(GatewaySide):
         group.num_ready -= len(dead)
         min_ms = group.batch_ms + self.config.margin_ms
         for replica in dead:
+            replica.ready = False
             held = replica.held()
             replica.batch, replica.collector.waiting, replica.busy = [], [], False
             replica.engine = group.new_engine()
@@ -74,6 +75,7 @@ class FaultSide(GatewaySide):
             replica.engine = group.new_engine()
             replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms, early=self.config.pull_early)
             replica.last_launch = -1e18
+            replica.ready = True
             group.blocked.append(replica)
             replica.asked_at = self.now
         group.num_ready += len(dead)

@@ -26,9 +26,11 @@ class GatewaySide(ReplicaSide):
         if resent:
             verdict, deepest = self._admit_resent(group, i)
         else:
-            if now - group.deepest_at >= self.config.admission_refresh_ms:
+            if now >= group.deepest_until:
                 group.refresh_deepest(now, self.config.budget_ms)
             verdict, deepest = group.verdict, group.deepest[paid]
+        if group.admit_phased:
+            group.demand_meter.add(now)
         waiting = group.num_waiting
         position = admission.position(TIERS[paid], waiting[1], waiting[0])
         if verdict is not _ADMIT or position > deepest:
@@ -78,11 +80,13 @@ class GatewaySide(ReplicaSide):
     def _admit_resent(self, group: Group, i: int) -> tuple[Verdict, int]:
         """A request sent again after a region loss: admitted on what is left of its budget."""
         budget = self.deadline[i] - self.now
-        capacity = group.capacity()
+        capacity = group.capacity(self.now, self.config.budget_ms)
         verdict = admission.check(budget, capacity, group.limits)
         if verdict != Verdict.ADMIT:
             return verdict, 0
-        return verdict, admission.max_position(TIERS[self.paid[i]], budget, capacity, group.limits)
+        demand = group.demand_meter.rate(self.now) if group.admit_phased else None
+        deepest = admission.max_position(TIERS[self.paid[i]], budget, capacity, group.limits, 0.0, self.now, demand)
+        return verdict, deepest
 
     def _move(self, i: int) -> Group:
         alive = [g for g in self.groups if g.alive and g.model == self.groups[self.group_of[i]].model]

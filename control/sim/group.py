@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
+from dataclasses import replace
 from typing import Protocol
 
 from control.core.vocab import FREE, PAID
@@ -45,6 +46,7 @@ class SimReplica:
         "gate_at",
         "asked_at",
         "host",
+        "ready",
     )
 
     def __init__(self, index: int, group: Group, config: CollectorConfig, gate: PullGate) -> None:
@@ -62,6 +64,7 @@ class SimReplica:
         self.gate_at = -1.0  # the reopening time a timer was last set for
         self.asked_at = 0.0  # when its consumer's BRPOP was sent
         self.host = ""  # the host it runs on (its group sets it)
+        self.ready = True  # in the registry the gateways read (a lost one until it is swept)
 
     def held(self) -> list[Pending]:
         """What a sweep finds in its held hash: the batch or the engine's requests, and the buffer."""
@@ -116,11 +119,20 @@ class Group:
         self.blocked: deque[SimReplica] = deque(self.replicas)  # consumers in BRPOP, first asked first
         self.limits = Limits(config.max_queue_paid, config.max_queue_free, config.margin_ms)
         self.paid_meter = RateMeter()
+        self.demand_meter = RateMeter()  # every arrival, where admission counts phases
         self.alive = True
         self.num_ready = len(self.replicas)
         self.verdict = Verdict.ADMIT
         self.deepest = (0, 0)
-        self.deepest_at = -1e18
+        self.deepest_until = -1e18  # worked out again from then on
+        # Where static replicas' starts are read (ADMIT_PHASED), when each starts next, read
+        # again every `launch_refresh_ms`, as a gateway reads the launch list.
+        self.admit_phased = config.admit_phased and not self.continuous
+        self.launch_refresh_ms = config.launch_refresh_ms
+        self.refresh_ms = config.admission_refresh_ms
+        self.jitter_ms = config.batch_jitter_ms if self.cost is None else 0.0
+        self.phases: admission.Phases | None = None
+        self.phases_at = -1e18
 
     def new_engine(self) -> SimEngine | None:
         if not self.continuous or self.cost is None:
@@ -139,25 +151,42 @@ class Group:
             if at < len(running) and running[at][1] == pending.payload:
                 del running[at]
 
-    def capacity(self) -> Capacity:
-        return Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms)
+    def capacity(self, now: float | None = None, budget_ms: float = 0.0) -> Capacity:
+        """What admission sees; at `now`, with the replicas' phases where they are read."""
+        capacity = Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms)
+        if not self.admit_phased or now is None:
+            return capacity
+        if now - self.phases_at >= self.launch_refresh_ms or self.phases is None:
+            launches = [r.last_launch for r in self.replicas if r.ready]
+            horizon = budget_ms + self.launch_refresh_ms + self.batch_ms
+            slot = self.batch_ms + self.jitter_ms / 2  # the cycle a replica measures
+            self.phases = admission.phases_of(launches, now, slot, horizon)
+            self.phases_at = now
+        return replace(capacity, phases=self.phases)
 
     def refresh_deepest(self, now: float, budget_ms: float) -> None:
         """The verdict before the queue and the (free, paid) deepest admissible positions,
         worked out again every `admission_refresh_ms` (a gateway's view of the fleet is
-        250 ms old anyway)."""
-        capacity = self.capacity()
+        250 ms old anyway, of the launches 50 ms), and before the next start foreseen: a
+        gateway works them out per request, and a count made before a start holds it."""
+        capacity = self.capacity(now, budget_ms)
         rate = self.paid_meter.rate(now)
+        demand = self.demand_meter.rate(now) if self.admit_phased else None
         self.verdict = admission.check(budget_ms, capacity, self.limits)
         self.deepest = (
             (
-                admission.max_position(FREE, budget_ms, capacity, self.limits, rate),
-                admission.max_position(PAID, budget_ms, capacity, self.limits, rate),
+                admission.max_position(FREE, budget_ms, capacity, self.limits, rate, now, demand),
+                admission.max_position(PAID, budget_ms, capacity, self.limits, rate, now, demand),
             )
             if self.verdict == Verdict.ADMIT
             else (0, 0)
         )
-        self.deepest_at = now
+        self.deepest_until = now + self.refresh_ms
+        if capacity.phases is not None:
+            starts = capacity.phases.starts_ms
+            first = bisect_right(starts, now - admission.LATE_MS)  # the first counted drops out then
+            if first < len(starts):
+                self.deepest_until = min(self.deepest_until, starts[first] + admission.LATE_MS)
 
 
 # -- the simulation ---------------------------------------------------------------------------

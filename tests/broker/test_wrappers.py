@@ -313,6 +313,36 @@ def test_a_locked_sweep_runs_once_a_span_and_leaves_the_registry_in_one_value(st
     assert [rep.has_lease for rep in view.replicas] == [False, False]
 
 
+def test_a_phased_view_reads_the_launch_list_and_foresees_each_ready_replicas_starts(state: redis.Redis) -> None:
+    from control.broker.registry import FleetView
+
+    entry = records.pack_replica_entry(
+        model=MODEL, state="serving", held=0, moving_to="", backend="fixed", max_batch=16, batch_ms=250.0,
+        join_ms=0.0, buffered=0, busy=True, host="h", pid=7, seen_ms=0.0, why_not_ready="", clock_offset_ms=0.0,
+        counters={"cycle_ms": 260.0}, engine={},
+    )  # fmt: skip
+    for name in ("r1", "r2", "r3"):
+        state.hset(keys.replica_key(name), mapping=entry)
+        state.sadd(keys.REPLICAS_KEY, name)
+        state.set(keys.lease_key(name), "1")
+    seconds, micros = state.time()
+    now = seconds * 1000 + micros / 1000
+    # r1 started 100 ms ago, r2 230 ms ago; r3 is ready and has never started a batch.
+    state.zadd(keys.launch_key(MODEL), {"r1": now - 100.0, "r2": now - 230.0, "gone": now - 50.0})
+    plain = FleetView(state)
+    plain.refresh(direct=True)
+    plain.refresh_launches()  # read, but a view that does not count phases keeps none
+    assert plain.capacity(MODEL).phases is None
+    view = FleetView(state, phased=True)
+    view.refresh(direct=True)
+    view.refresh_launches()
+    phases = view.capacity(MODEL).phases
+    assert phases is not None
+    assert phases.slot_ms == 260.0 and phases.num_idle == 1  # r3; "gone" is no ready replica
+    first = sorted(phases.starts_ms)[:2]
+    assert first == pytest.approx([now + 30.0, now + 160.0], abs=5.0)  # r2's next start, then r1's
+
+
 def test_a_broker_at_its_memory_limit_still_answers_the_locked_sweep(state: redis.Redis) -> None:
     # The lock is a write, which a full broker refuses: the sweep must still answer (the
     # gateway's health probe), or a full broker would look like a dead one.

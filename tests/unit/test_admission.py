@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from control.core.vocab import FREE, PAID, Tier
@@ -212,3 +215,45 @@ def test_a_position_in_line_is_the_lane_position_without_the_lists_behind(tier: 
     for paid, free in [(0, 0), (3, 0), (0, 5), (7, 11)]:
         lane = admission.lane_position(tier, admission.Depths(paid=paid, free=free), behind=False)
         assert admission.position(tier, paid, free) == lane
+
+
+# -- the replicas' phases (ADMIT_PHASED) ------------------------------------------------------
+
+
+def _phased(launches: list[float], now: float = 1000.0) -> Capacity:
+    return replace(CAP, phases=admission.phases_of(launches, now, 250.0, 2000.0))
+
+
+def test_phases_project_each_replicas_starts_a_slot_apart_and_call_a_silent_one_idle() -> None:
+    phases = admission.phases_of([900.0, 500.0, -math.inf], 1000.0, 250.0, 600.0)
+    assert phases.starts_ms == (1150.0, 1400.0)  # from 900, up to 1600; 500 is 2 slots ago
+    assert phases.num_idle == 2
+    assert admission.phased_starts(phases, 1000.0, 1400.0) == (2 + 2 * 1, 1400.0)  # an idle one: a slot on
+    assert admission.phased_starts(phases, 1000.0, 1700.0) is None  # past what they foresee
+
+
+def test_a_start_foreseen_a_moment_ago_still_counts_its_replica_is_late() -> None:
+    phases = admission.phases_of([760.0], 1000.0, 250.0, 1000.0)  # foreseen at 1010, 1260, ...
+    assert admission.phased_starts(phases, 1020.0, 1300.0) == (2, 1260.0)
+    assert admission.phased_starts(phases, 1010.0 + admission.LATE_MS, 1300.0) == (1, 1260.0)
+
+
+def test_below_capacity_a_request_just_before_a_start_is_admitted_for_the_third_start() -> None:
+    # Two replicas a half slot apart: the next starts in 10 ms, then 135, 260 and 385 ms on.
+    # The latest start is 335 ms on: three starts, where the worst phase counts two.
+    capacity = _phased([760.0, 885.0])
+    assert max_position(PAID, 600.0, capacity, LIMITS, 0.0, 1000.0, demand_rps=400.0) == 3 * 64
+    assert max_position(PAID, 600.0, capacity, LIMITS, 0.0, 1000.0, demand_rps=None) == 128  # no demand read
+    assert max_position(PAID, 600.0, capacity, LIMITS, 0.0, 1000.0, demand_rps=500.0) == 128  # at capacity
+    free = max_position(FREE, 600.0, capacity, LIMITS, 100.0, 1000.0, demand_rps=400.0)
+    expected = 100.0 * 260.0 / 1000.0  # paid ones expected before the last start, and two deviations
+    assert free == 3 * 64 - math.ceil(expected + admission.PHASED_SPREAD * math.sqrt(expected))
+
+
+def test_phases_never_count_fewer_starts_than_the_worst_phase() -> None:
+    capacity = _phased([999.0, 999.0])  # in step: the next two starts in 249 ms, then 499
+    assert max_position(PAID, 600.0, capacity, LIMITS, 0.0, 1000.0, demand_rps=100.0) == 128
+    continuous = replace(capacity, join_ms=20.0)
+    assert max_position(PAID, 600.0, continuous, LIMITS, 0.0, 1000.0, 100.0) == max_position(
+        PAID, 600.0, replace(continuous, phases=None), LIMITS
+    )

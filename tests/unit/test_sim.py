@@ -227,9 +227,12 @@ def test_a_take_fills_its_empty_seats_from_the_queue_so_paid_requests_ride_the_n
 
 
 def test_with_the_rest_of_each_batch_handed_back_paid_requests_take_the_next_start_at_twice_capacity() -> None:
+    """Against admission that counts the worst phase's starts (`admit_phased=False`): the
+    hand-back's gain was measured there (decision 0030)."""
     workload = make_workload(2.0 * 2 * 32 * 4, 30, paid_fraction=0.3, seed=1)  # twice 2 x 32 per 250 ms
     runs = {
-        hb: simulate(make_config(2, max_batch=32, budget_ms=600, hand_back_rest=hb), workload) for hb in (True, False)
+        hb: simulate(make_config(2, max_batch=32, budget_ms=600, hand_back_rest=hb, admit_phased=False), workload)
+        for hb in (True, False)
     }
     tiers = {hb: run.by_tier() for hb, run in runs.items()}
     p50 = {hb: t["paid"]["p50_ms"] / t["free"]["p50_ms"] for hb, t in tiers.items()}
@@ -262,6 +265,14 @@ def test_the_tiers_bench_writes_both_arms_of_each_case(tmp_path: Path) -> None:
     assert [(r["pull_early"], r["hand_back_rest"], r["batch_jitter_ms"]) for r in runs] == [
         (False, False, 40.0),
         (True, False, 40.0),
+    ]
+    assert not any(r["admit_phased"] for r in runs)
+    phased = [*args, "--switch", "admit-phased", "--processes", "1", "--json", str(out)]
+    assert main(phased) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["admit_phased"], r["pull_early"], r["hand_back_rest"]) for r in runs] == [
+        (False, False, False),
+        (True, False, False),
     ]
 
 
