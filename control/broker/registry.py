@@ -111,8 +111,9 @@ class FleetView:
         # ADMIT_PHASED: the static replicas' launches, read every LAUNCH_REFRESH_S, for
         # admission to count the starts their phases hold.
         self.phased = phased
-        self.launches: dict[str, dict[str, float]] = {}  # model -> replica -> last launch (epoch ms)
-        self.launches_read_ms = 0.0  # the broker's time of that read
+        # The broker's time of the last read, and model -> replica -> last launch (epoch ms):
+        # one value, replaced whole, so a request never reads one read's time with another's.
+        self.launches: tuple[float, dict[str, dict[str, float]]] = (0.0, {})
         self.replicas: list[ReplicaInfo] = []
         self._capacity: dict[str, Capacity] = {}  # per model, for the `replicas` read last
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
@@ -169,10 +170,10 @@ class FleetView:
             *lists, (seconds, micros) = pipe.execute()
         except redis.RedisError:
             return
-        self.launches = {
+        read = {
             model: {name.decode(): float(at) for name, at in found} for model, found in zip(models, lists, strict=True)
         }
-        self.launches_read_ms = seconds * 1000 + micros / 1000
+        self.launches = (seconds * 1000 + micros / 1000, read)
         self._capacity = {}
 
     def _loop(self) -> None:
@@ -194,8 +195,9 @@ class FleetView:
         cache = self._capacity  # a refresh meanwhile starts a new one
         capacity = cache.get(model)
         if capacity is None:
-            launches = self.launches.get(model) if self.phased else None
-            capacity = cache[model] = capacity_of(self.replicas, model, launches, self.launches_read_ms)
+            read_ms, launches = self.launches
+            mine = launches.get(model) if self.phased else None
+            capacity = cache[model] = capacity_of(self.replicas, model, mine, read_ms)
         return capacity
 
 

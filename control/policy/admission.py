@@ -35,6 +35,7 @@ class Phases:
     num_idle: int
     until_ms: float
     slot_ms: float
+    read_ms: float  # when the launches were read
 
 
 @dataclass(frozen=True)
@@ -189,13 +190,14 @@ PAID_SPREAD = 1.0  # standard deviations of the paid arrivals a free request lea
 def paid_reserve(paid_rate_rps: float, within_ms: float, spread: float = PAID_SPREAD) -> int:
     """Room for the paid requests expected within `within_ms`, and for their spread:
     arrivals are Poisson, so as many again as `spread` standard deviations (sqrt of the mean)."""
-    expected = paid_rate_rps * within_ms / 1000.0
+    expected = max(0.0, paid_rate_rps * within_ms / 1000.0)
     return math.ceil(expected + spread * math.sqrt(expected))
 
 
-# A start foreseen this long ago still counts: its replica is late (a slot longer than its
-# measured cycle) and has not taken its batch, or took it and has not yet settled it, so its
-# requests still wait in the sets admission counts.
+# A start foreseen this long ago still counts if it was already due when the launches were
+# read: its replica is late (a slot longer than its measured cycle) and had not launched it,
+# so its requests still wait in the sets admission counts. (One due after the read may have
+# launched since, and its requests left those sets with the launch.)
 LATE_MS = 20.0
 IDLE_AFTER = 1.5  # slots without a launch: the replica's batch ended and nothing came, it is idle
 PHASED_SPREAD = 2.0  # standard deviations of paid arrivals a free request leaves room for, where starts are known
@@ -221,11 +223,12 @@ def phases_of(launches_ms: list[float], now_ms: float, slot_ms: float, horizon_m
             starts.append(at)
             at += step
     starts.sort()
-    return Phases(tuple(starts), idle, until, step)
+    return Phases(tuple(starts), idle, until, step, now_ms)
 
 
 def phased_starts(phases: Phases, from_ms: float, to_ms: float) -> tuple[int, float] | None:
-    """Batch starts in (`from_ms` - `LATE_MS`, `to_ms`], epoch ms, and the last of them
+    """Batch starts in (`from_ms` - `LATE_MS`, `to_ms`] (those before `from_ms` only if due
+    when the launches were read), epoch ms, and the last of them
     (`from_ms` if none); None where `to_ms` is past what `phases` foresees. A replica idle
     when the launches were read may have started a batch since, the moment before
     `from_ms` at the worst: its starts are counted from a slot after that. (Counted as
@@ -234,8 +237,11 @@ def phased_starts(phases: Phases, from_ms: float, to_ms: float) -> tuple[int, fl
     if to_ms > phases.until_ms:
         return None
     starts = phases.starts_ms
-    lo, hi = bisect_right(starts, from_ms - LATE_MS), bisect_right(starts, to_ms)
-    count, last = hi - lo, starts[hi - 1] if hi > lo else from_ms
+    late_lo = bisect_right(starts, from_ms - LATE_MS)
+    late = max(0, bisect_right(starts, min(phases.read_ms, from_ms, to_ms)) - late_lo)
+    lo, hi = bisect_right(starts, from_ms), bisect_right(starts, to_ms)
+    count = late + max(0, hi - lo)
+    last = starts[hi - 1] if hi > lo else (starts[late_lo + late - 1] if late else from_ms)
     each = math.floor((to_ms - from_ms) / phases.slot_ms) if to_ms > from_ms else 0
     if phases.num_idle and each > 0:
         count += phases.num_idle * each
@@ -271,7 +277,7 @@ def max_position(
     deepest = max_depth(budget_ms, capacity, limits)
     below = demand_rps is not None and demand_rps < PHASED_BELOW * capacity.requests_per_s
     phased = _phased_slots(budget_ms, capacity, limits, now_ms) if below else None
-    if phased is not None and phased[0] > slots and now_ms is not None:
+    if phased is not None and now_ms is not None and phased[0] > slots:
         # The starts as seen hold more than the worst phase: a request arriving just before
         # a start rides it, and the one a budget's last slot allows. Only below capacity:
         # past it the queue stays at its limit, and a deeper one only moves free requests'
@@ -279,7 +285,7 @@ def max_position(
         count, last = phased
         deepest = count * capacity.max_batch
         if tier == FREE:
-            deepest = max(1, deepest - paid_reserve(paid_rate_rps, last - now_ms, PHASED_SPREAD))
+            deepest = max(1, deepest - paid_reserve(paid_rate_rps, max(0.0, last - now_ms), PHASED_SPREAD))
         return min(deepest, limits.max_queue(tier))
     if tier == FREE:
         before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import replace
@@ -124,13 +125,15 @@ class Group:
         self.num_ready = len(self.replicas)
         self.verdict = Verdict.ADMIT
         self.deepest = (0, 0)
-        self.deepest_until = -1e18  # worked out again from then on
+        self.deepest_at = -1e18
+        self.phases_until = math.inf  # with phases: worked out again then too
         # Where static replicas' starts are read (ADMIT_PHASED), when each starts next, read
         # again every `launch_refresh_ms`, as a gateway reads the launch list.
         self.admit_phased = config.admit_phased and not self.continuous
         self.launch_refresh_ms = config.launch_refresh_ms
         self.refresh_ms = config.admission_refresh_ms
-        self.jitter_ms = config.batch_jitter_ms if self.cost is None else 0.0
+        jitter = config.batch_jitter_ms if self.cost is None else 0.0
+        self.cycle_ms = self.batch_ms + jitter / 2  # the cycle a replica measures, jitter included
         self.phases: admission.Phases | None = None
         self.phases_at = -1e18
 
@@ -159,16 +162,16 @@ class Group:
         if now - self.phases_at >= self.launch_refresh_ms or self.phases is None:
             launches = [r.last_launch for r in self.replicas if r.ready]
             horizon = budget_ms + self.launch_refresh_ms + self.batch_ms
-            slot = self.batch_ms + self.jitter_ms / 2  # the cycle a replica measures
-            self.phases = admission.phases_of(launches, now, slot, horizon)
+            self.phases = admission.phases_of(launches, now, self.cycle_ms, horizon)
             self.phases_at = now
-        return replace(capacity, phases=self.phases)
+        # As live, the measured cycle paces the slots too, and the rate the demand is held to.
+        return replace(capacity, cycle_ms=self.cycle_ms, phases=self.phases)
 
     def refresh_deepest(self, now: float, budget_ms: float) -> None:
         """The verdict before the queue and the (free, paid) deepest admissible positions,
         worked out again every `admission_refresh_ms` (a gateway's view of the fleet is
-        250 ms old anyway, of the launches 50 ms), and before the next start foreseen: a
-        gateway works them out per request, and a count made before a start holds it."""
+        250 ms old anyway, of the launches 50 ms), and with phases at the next start foreseen
+        too (a gateway works them out per request)."""
         capacity = self.capacity(now, budget_ms)
         rate = self.paid_meter.rate(now)
         demand = self.demand_meter.rate(now) if self.admit_phased else None
@@ -181,12 +184,13 @@ class Group:
             if self.verdict == Verdict.ADMIT
             else (0, 0)
         )
-        self.deepest_until = now + self.refresh_ms
+        self.deepest_at = now
+        self.phases_until = math.inf
         if capacity.phases is not None:
             starts = capacity.phases.starts_ms
-            first = bisect_right(starts, now - admission.LATE_MS)  # the first counted drops out then
+            first = bisect_right(starts, now)  # the next start: the count changes when it is due
             if first < len(starts):
-                self.deepest_until = min(self.deepest_until, starts[first] + admission.LATE_MS)
+                self.phases_until = starts[first]
 
 
 # -- the simulation ---------------------------------------------------------------------------

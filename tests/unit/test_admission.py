@@ -232,10 +232,14 @@ def test_phases_project_each_replicas_starts_a_slot_apart_and_call_a_silent_one_
     assert admission.phased_starts(phases, 1000.0, 1700.0) is None  # past what they foresee
 
 
-def test_a_start_foreseen_a_moment_ago_still_counts_its_replica_is_late() -> None:
-    phases = admission.phases_of([760.0], 1000.0, 250.0, 1000.0)  # foreseen at 1010, 1260, ...
-    assert admission.phased_starts(phases, 1020.0, 1300.0) == (2, 1260.0)
-    assert admission.phased_starts(phases, 1010.0 + admission.LATE_MS, 1300.0) == (1, 1260.0)
+def test_a_start_due_when_the_launches_were_read_still_counts_for_a_moment_its_replica_is_late() -> None:
+    read_late = admission.phases_of([760.0], 1015.0, 250.0, 1000.0)  # due at 1010, 1260, ...
+    assert admission.phased_starts(read_late, 1020.0, 1300.0) == (2, 1260.0)
+    assert admission.phased_starts(read_late, 1010.0 + admission.LATE_MS, 1300.0) == (1, 1260.0)
+    assert admission.phased_starts(read_late, 1020.0, 1015.0) == (1, 1010.0)  # only the late one fits
+    read_before = admission.phases_of([760.0], 1000.0, 250.0, 1000.0)  # 1010 may have launched since
+    assert admission.phased_starts(read_before, 1020.0, 1300.0) == (1, 1260.0)
+    assert admission.phased_starts(read_before, 1040.0, 1000.0) == (0, 1040.0)  # no window: no start
 
 
 def test_below_capacity_a_request_just_before_a_start_is_admitted_for_the_third_start() -> None:
@@ -248,6 +252,12 @@ def test_below_capacity_a_request_just_before_a_start_is_admitted_for_the_third_
     free = max_position(FREE, 600.0, capacity, LIMITS, 100.0, 1000.0, demand_rps=400.0)
     expected = 100.0 * 260.0 / 1000.0  # paid ones expected before the last start, and two deviations
     assert free == 3 * 64 - math.ceil(expected + admission.PHASED_SPREAD * math.sqrt(expected))
+
+
+def test_a_free_request_whose_only_starts_are_late_ones_is_refused_no_room_not_an_error() -> None:
+    capacity = replace(CAP, cycle_ms=272.0, phases=admission.phases_of([723.0, 733.0], 1010.0, 272.0, 2000.0))
+    for budget in (300.0, 400.0):  # starts due at 995 and 1005, read at 1010: only late ones count
+        assert max_position(FREE, budget, capacity, LIMITS, 50.0, 1010.0, demand_rps=10.0) >= 1
 
 
 def test_phases_never_count_fewer_starts_than_the_worst_phase() -> None:
