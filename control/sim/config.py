@@ -16,7 +16,9 @@ class SimConfig:
     regions: int = 1
     max_batch: int = 64
     batch_ms: float = 250.0  # fixed batch time, unless `costs` gives a model a curve
-    batch_jitter_ms: float = 0.0  # a fixed batch takes batch_ms plus up to this much more (uniform)
+    # A fixed batch takes batch_ms plus up to this much more (uniform); admission then paces
+    # slots by the mean, as a live gateway paces them by the cycle its replicas measure.
+    batch_jitter_ms: float = 0.0
     costs: dict[str, CostModel] = field(default_factory=dict)
     policy: str = "static"  # or "continuous": tasks/policy/scheduler.py plans each step, a cost model prices it
     max_wait_ms: float = 20.0

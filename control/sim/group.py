@@ -134,6 +134,7 @@ class Group:
         self.refresh_ms = config.admission_refresh_ms
         jitter = config.batch_jitter_ms if self.cost is None else 0.0
         self.cycle_ms = self.batch_ms + jitter / 2  # the cycle a replica measures, jitter included
+        self.measured_ms = self.cycle_ms if jitter > 0 else 0.0  # `Capacity.cycle_ms`: none without jitter
         self.phases: admission.Phases | None = None
         self.phases_at = -1e18
 
@@ -156,7 +157,8 @@ class Group:
 
     def capacity(self, now: float | None = None, budget_ms: float = 0.0) -> Capacity:
         """What admission sees; at `now`, with the replicas' phases where they are read."""
-        capacity = Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms)
+        # As live, the measured cycle paces the slots (with jitter, longer than the batch).
+        capacity = Capacity(self.num_ready, self.collector_config.max_batch, self.batch_ms, self.measured_ms)
         if not self.admit_phased or now is None:
             return capacity
         if now - self.phases_at >= self.launch_refresh_ms or self.phases is None:
@@ -164,8 +166,7 @@ class Group:
             horizon = budget_ms + self.launch_refresh_ms + self.batch_ms
             self.phases = admission.phases_of(launches, now, self.cycle_ms, horizon)
             self.phases_at = now
-        # As live, the measured cycle paces the slots too, and the rate the demand is held to.
-        return replace(capacity, cycle_ms=self.cycle_ms, phases=self.phases)
+        return replace(capacity, phases=self.phases)
 
     def refresh_deepest(self, now: float, budget_ms: float) -> None:
         """The verdict before the queue and the (free, paid) deepest admissible positions,
