@@ -11,13 +11,16 @@ with the rest of the same completion. So:
 - its prompt starts with the last prompt (compared by length and a BLAKE2b digest, so the
   broker keeps no prompt text), and what follows is a non-empty start of the last
   completion, shorter than all of it;
-- the answer is the rest of the completion, with the last one's finish reason.
+- the answer is the rest of the completion, with the last one's finish reason;
+- never a rest that starts inside a character: a combining mark after what was typed
+  (an accent the completion put on the typed letter) would reach the client alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from dataclasses import asdict, dataclass
 
 
@@ -55,9 +58,12 @@ def typed_through(previous: Previous, options: str, prompt: str) -> str | None:
     typed = prompt[previous.prompt_chars :]
     if len(typed) >= len(previous.text) or not previous.text.startswith(typed):
         return None
+    rest = previous.text[len(typed) :]
+    if unicodedata.combining(rest[0]):  # the typed letter is not the completion's character
+        return None
     if _digest(prompt[: previous.prompt_chars]) != previous.prompt_digest:
         return None
-    return previous.text[len(typed) :]
+    return rest
 
 
 def pack(previous: Previous) -> str:

@@ -29,6 +29,13 @@ def test_anything_else_goes_to_the_model() -> None:
     assert reuse.typed_through(previous, other, PROMPT + "ret") is None
 
 
+def test_a_rest_that_would_start_with_a_combining_mark_goes_to_the_model() -> None:
+    accented = reuse.remember(OPTIONS, PROMPT, "cafe\u0301 = 1\n", "length")  # "café", the accent apart
+    assert reuse.typed_through(accented, OPTIONS, PROMPT + "caf") == "e\u0301 = 1\n"
+    assert reuse.typed_through(accented, OPTIONS, PROMPT + "cafe") is None  # the rest would begin with the accent
+    assert reuse.typed_through(accented, OPTIONS, PROMPT + "cafe\u0301") == " = 1\n"
+
+
 def test_the_record_packs_and_a_damaged_one_reads_as_none() -> None:
     assert reuse.parse(reuse.pack(_previous())) == _previous()
     assert reuse.parse(b"{not json") is None and reuse.parse(b'{"text": "x"}') is None
