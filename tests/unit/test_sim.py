@@ -327,3 +327,27 @@ def test_a_due_take_brings_late_paid_requests_and_fills_the_empty_seats_counting
     # room 1 (the buffered free one can wait) + fill 3: four paid pops, the cancelled one dropped
     assert launched == sorted([paid[0], paid[2], paid[3], free[0]])
     assert list(group.paid_queue) == [] and list(group.free_queue) == free[1:]  # no seat left for free
+
+
+class _LossWatch(Simulation):
+    """Notes what the lost host's replicas held when it vanished: running, and buffered."""
+
+    def _host_down(self) -> None:
+        group = self.groups[0]
+        lost = [r for r in group.replicas if r.alive][: self.config.host_size]
+        self.lost_running = {p.payload for r in lost for p in r.batch if not sim_group.is_copy(p)}
+        self.lost_buffered = {p.payload for r in lost for p in r.collector.waiting}
+        super()._host_down()
+
+
+def test_with_hedging_a_host_loss_ends_504_only_what_the_lost_host_held_unstarted() -> None:
+    """Two hosts of two at 35% load: every request the lost host was running has a copy on
+    the other host, and answers. What it held in its buffer for its next batch is
+    re-queued only when its leases lapse, by when the survivors have started their next
+    batches: those, and only those, end 504 (no copy is made of a request not yet running)."""
+    config = make_config(4, max_batch=16, budget_ms=600, hedge="all", host_size=2, host_loss_at_s=5.0, restart_s=7.0)
+    run = _LossWatch(config, make_workload(0.35 * 4 * 16 * 4, 20, paid_fraction=0.3, seed=1))
+    result = run.run()
+    ended_504 = set(np.flatnonzero((result.state == EXPIRED) | (result.state == LATE)).tolist())
+    assert run.lost_running and all(result.state[j] == OK for j in run.lost_running)
+    assert ended_504 and ended_504 <= run.lost_buffered
