@@ -177,12 +177,14 @@ class FleetView:
         self._capacity = {}
 
     def _loop(self) -> None:
+        """The registry every `refresh_s`; with phases, the launches at every tick between."""
         every = LAUNCH_REFRESH_S if self.phased else self.refresh_s
-        last = time.monotonic()
+        ticks_per_refresh = max(1, round(self.refresh_s / every))
+        tick = 0
         while not self._stop.wait(every):
-            if time.monotonic() - last >= self.refresh_s - every / 2:
+            tick += 1
+            if tick % ticks_per_refresh == 0:
                 self.refresh()
-                last = time.monotonic()
             if self.phased:
                 self.refresh_launches()
 

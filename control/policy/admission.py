@@ -275,17 +275,18 @@ def max_position(
     """
     slots = max_slots(budget_ms, capacity, limits)
     deepest = max_depth(budget_ms, capacity, limits)
-    below = demand_rps is not None and demand_rps < PHASED_BELOW * capacity.requests_per_s
-    phased = _phased_slots(budget_ms, capacity, limits, now_ms) if below else None
-    if phased is not None and now_ms is not None and phased[0] > slots:
+    phased = None
+    if now_ms is not None and demand_rps is not None and demand_rps < PHASED_BELOW * capacity.requests_per_s:
+        phased = _phased_slots(budget_ms, capacity, limits, now_ms)
+    if phased is not None and phased[0] > slots:
         # The starts as seen hold more than the worst phase: a request arriving just before
         # a start rides it, and the one a budget's last slot allows. Only below capacity:
         # past it the queue stays at its limit, and a deeper one only moves free requests'
         # answers later, and paid ones with them (docs/decisions/0032).
-        count, last = phased
+        count, last_in = phased
         deepest = count * capacity.max_batch
         if tier == FREE:
-            deepest = max(1, deepest - paid_reserve(paid_rate_rps, max(0.0, last - now_ms), PHASED_SPREAD))
+            deepest = max(1, deepest - paid_reserve(paid_rate_rps, max(0.0, last_in), PHASED_SPREAD))
         return min(deepest, limits.max_queue(tier))
     if tier == FREE:
         before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
@@ -293,14 +294,13 @@ def max_position(
     return min(deepest, limits.max_queue(tier))
 
 
-def _phased_slots(
-    budget_ms: float, capacity: Capacity, limits: Limits, now_ms: float | None
-) -> tuple[int, float] | None:
+def _phased_slots(budget_ms: float, capacity: Capacity, limits: Limits, now_ms: float) -> tuple[int, float] | None:
     """Starts a request of this budget may ride, counted from the replicas' phases (static
-    replicas whose launches were read), and when the last is; None where not known."""
-    if capacity.phases is None or now_ms is None or capacity.join_ms > 0:
+    replicas whose launches were read), and in how long the last is; None where not known."""
+    if capacity.phases is None or capacity.join_ms > 0:
         return None
-    return phased_starts(capacity.phases, now_ms, now_ms + latest_start_ms(budget_ms, capacity, limits))
+    found = phased_starts(capacity.phases, now_ms, now_ms + latest_start_ms(budget_ms, capacity, limits))
+    return None if found is None else (found[0], found[1] - now_ms)
 
 
 class RateMeter:

@@ -131,10 +131,9 @@ class Group:
         # again every `launch_refresh_ms`, as a gateway reads the launch list.
         self.admit_phased = config.admit_phased and not self.continuous
         self.launch_refresh_ms = config.launch_refresh_ms
-        self.refresh_ms = config.admission_refresh_ms
+        # `Capacity.cycle_ms`: the cycle a replica measures, with jitter the batch's mean
         jitter = config.batch_jitter_ms if self.cost is None else 0.0
-        self.cycle_ms = self.batch_ms + jitter / 2  # the cycle a replica measures, jitter included
-        self.measured_ms = self.cycle_ms if jitter > 0 else 0.0  # `Capacity.cycle_ms`: none without jitter
+        self.measured_ms = self.batch_ms + jitter / 2 if jitter > 0 else 0.0
         self.phases: admission.Phases | None = None
         self.phases_at = -1e18
 
@@ -164,7 +163,7 @@ class Group:
         if now - self.phases_at >= self.launch_refresh_ms or self.phases is None:
             launches = [r.last_launch for r in self.replicas if r.ready]
             horizon = budget_ms + self.launch_refresh_ms + self.batch_ms
-            self.phases = admission.phases_of(launches, now, self.cycle_ms, horizon)
+            self.phases = admission.phases_of(launches, now, capacity.slot_ms, horizon)
             self.phases_at = now
         return replace(capacity, phases=self.phases)
 

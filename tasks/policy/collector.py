@@ -133,8 +133,9 @@ class Collector:
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]
 
-    def can_finish(self, pending: Pending, now_ms: float) -> bool:
-        return now_ms + self.config.batch_ms + self.config.margin_ms <= pending.deadline_ms
+    def finish_cutoff_ms(self, now_ms: float) -> float:
+        """The earliest deadline a request may have and still finish a batch started now."""
+        return now_ms + self.config.batch_ms + self.config.margin_ms
 
     def launch_at(self) -> float | None:
         """Epoch ms at which a free replica should start a batch; None when empty."""
@@ -143,7 +144,7 @@ class Collector:
         c = self.config
         oldest = min(p.arrived_ms for p in self.waiting)
         # The last start that lets the tightest request finish, less the time between
-        # the launch time and the take that checks it (`can_finish`): launched at its
+        # the launch time and the take that checks it (`pop_expired`): launched at its
         # very last moment, it would be taken a moment late and dropped as expired.
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms - LAUNCH_LEAD_MS
         return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
@@ -240,7 +241,7 @@ class Collector:
 
     def pop_expired(self, now_ms: float) -> list[Pending]:
         """Take out the requests that can no longer finish before their deadline."""
-        cutoff = now_ms + self.config.batch_ms + self.config.margin_ms  # `can_finish`, inlined
+        cutoff = self.finish_cutoff_ms(now_ms)
         late = [p for p in self.waiting if cutoff > p.deadline_ms]
         if late:
             self.waiting = [p for p in self.waiting if cutoff <= p.deadline_ms]

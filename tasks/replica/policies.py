@@ -80,7 +80,7 @@ class Policy(Protocol):
 
     def batch_ms(self) -> float:
         """From a take to a request's answer at the most, the take aside: what the buffer's
-        deadline rule (`Collector.can_finish`) allows for."""
+        deadline rule (`Collector.finish_cutoff_ms`) allows for."""
         ...
 
     def finish(self) -> None:
