@@ -17,7 +17,7 @@ import datetime
 import json
 import subprocess
 from multiprocessing import get_context
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -27,12 +27,29 @@ from control.sim.simulate import simulate
 from control.sim.workload import make_workload
 from tasks.policy.collector import REST_HORIZON
 
-# replicas, batch, load, hand back, horizon, seconds, pull early, jitter, admit phased
-Run = tuple[int, int, float, bool, float, float, bool, float, bool]
+
+class Run(NamedTuple):
+    replicas: int
+    batch: int
+    load: float
+    seconds: float
+    jitter: float
+    hand_back: bool = False
+    horizon: float = REST_HORIZON
+    early: bool = False
+    phased: bool = False
+
+
+# Each switch's field of `Run`, and the key its arm has in a run's figures.
+SWITCHES = {
+    "hand-back": ("hand_back", "hand_back_rest"),
+    "pull-early": ("early", "pull_early"),
+    "admit-phased": ("phased", "admit_phased"),
+}
 
 
 def _one(run: Run) -> dict[str, Any]:
-    replicas, batch, load, hand_back, horizon, seconds, early, jitter, phased = run
+    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased = run
     config = SimConfig(
         replicas=[replicas],
         max_batch=batch,
@@ -74,30 +91,16 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"keybatch bench tiers-sim: {exc}")
         return 2
-    jitter = args.jitter_ms
-    if args.switch == "pull-early":
-        runs: list[Run] = [
-            (r, b, load, False, REST_HORIZON, args.seconds, early, jitter, False)
-            for r, b in cases
-            for load in loads
-            for early in (False, True)
-        ]
-    elif args.switch == "admit-phased":
-        runs = [
-            (r, b, load, False, REST_HORIZON, args.seconds, False, jitter, phased)
-            for r, b in cases
-            for load in loads
-            for phased in (False, True)
-        ]
-    else:
-        runs = [
-            (r, b, load, hb, REST_HORIZON, args.seconds, False, jitter, False)
-            for r, b in cases
-            for load in loads
-            for hb in (False, True)
-        ]
+    field, key = SWITCHES[args.switch]
+    runs = [
+        Run(r, b, load, args.seconds, args.jitter_ms)._replace(**{field: on})
+        for r, b in cases
+        for load in loads
+        for on in (False, True)
+    ]
+    if args.switch == "hand-back":  # and other urgency horizons past capacity
         runs += [
-            (r, b, load, True, h, args.seconds, False, jitter, False)
+            Run(r, b, load, args.seconds, args.jitter_ms, hand_back=True, horizon=h)
             for r, b in cases
             for load in (1.1, 2.0)
             for h in horizons
@@ -111,12 +114,10 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
     for col in ("paid p50", "free p50", "paid p99", "free p99", "paid/free p99"):
         table.add_column(col, justify="right")
     for r in results:
-        if args.switch == "pull-early":
-            arm = "on" if r["pull_early"] else "off"
-        elif args.switch == "admit-phased":
-            arm = "on" if r["admit_phased"] else "off"
-        else:
+        if args.switch == "hand-back":
             arm = f"{r['rest_horizon']:.2f}" if r["hand_back_rest"] else "off"
+        else:
+            arm = "on" if r[key] else "off"
         table.add_row(
             f"{r['replicas']}x{r['max_batch']}",
             f"{r['load']:.0%}",
