@@ -26,7 +26,7 @@ class GatewaySide(ReplicaSide):
         if resent:
             verdict, deepest = self._admit_resent(group, i)
         else:
-            if now - group.deepest_at >= self.config.admission_refresh_ms or now >= group.phases_until:
+            if now - group.deepest_at >= self.config.admission_refresh_ms:
                 group.refresh_deepest(now, self.config.budget_ms)
             verdict, deepest = group.verdict, group.deepest[paid]
         if group.admit_phased:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import replace
@@ -125,12 +124,12 @@ class Group:
         self.num_ready = len(self.replicas)
         self.verdict = Verdict.ADMIT
         self.deepest = (0, 0)
-        self.deepest_at = -1e18
-        self.phases_until = math.inf  # with phases: worked out again then too
+        self.deepest_at = -1e18  # with phases, moved back so that the next start foreseen is due too
         # Where static replicas' starts are read (ADMIT_PHASED), when each starts next, read
         # again every `launch_refresh_ms`, as a gateway reads the launch list.
         self.admit_phased = config.admit_phased and not self.continuous
         self.launch_refresh_ms = config.launch_refresh_ms
+        self.refresh_ms = config.admission_refresh_ms
         # `Capacity.cycle_ms`: the cycle a replica measures, with jitter the batch's mean
         jitter = config.batch_jitter_ms if self.cost is None else 0.0
         self.measured_ms = self.batch_ms + jitter / 2 if jitter > 0 else 0.0
@@ -185,12 +184,11 @@ class Group:
             else (0, 0)
         )
         self.deepest_at = now
-        self.phases_until = math.inf
         if capacity.phases is not None:
             starts = capacity.phases.starts_ms
             first = bisect_right(starts, now)  # the next start: the count changes when it is due
             if first < len(starts):
-                self.phases_until = starts[first]
+                self.deepest_at = min(now, starts[first] - self.refresh_ms)
 
 
 # -- the simulation ---------------------------------------------------------------------------
