@@ -333,11 +333,10 @@ class _LossWatch(Simulation):
     """Notes what the lost host's replicas held when it vanished: running, and buffered."""
 
     def _host_down(self) -> None:
-        group = self.groups[0]
-        lost = [r for r in group.replicas if r.alive][: self.config.host_size]
+        super()._host_down()  # the lost replicas keep what they held until the sweep
+        lost = [r for r in self.groups[0].replicas if not r.alive]
         self.lost_running = {p.payload for r in lost for p in r.batch if not sim_group.is_copy(p)}
         self.lost_buffered = {p.payload for r in lost for p in r.collector.waiting}
-        super()._host_down()
 
 
 def test_with_hedging_a_host_loss_ends_504_only_what_the_lost_host_held_unstarted() -> None:
