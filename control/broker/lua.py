@@ -416,31 +416,39 @@ return rescued
 """
 )
 
-# ARGV: replica, then per request: attempt, held record (it names the request's key). Records only the
-# requests still in flight under that attempt: one answered or dropped meanwhile (its
-# owner gone) must not come back into the held hash. One MGET reads every owner and one
-# HSET writes every record, whatever the number of requests.
+# ARGV: replica, model, then per request: attempt, held record (it names the request's key),
+# running member ('' for none). Records only the requests still in flight under that
+# attempt: one answered or dropped meanwhile (its owner gone) must not come back into the
+# held hash. A request with a member joins the model's running set too, scored by its
+# deadline: buffered for this replica's next batch, another host's batch may copy it
+# (HEDGE). One MGET reads every owner, one HSET writes every record and one ZADD every
+# member, whatever the number of requests.
 RECORD_LUA = (
     LUA_LIB
     + """
 local names = {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 3 do
   local _, _, _, key = held_parts(ARGV[i + 1])  -- the record names the request's key
   names[#names + 1] = K.owner .. key
 end
-local owners, fields = mget(names), {}
+local owners, fields, members = mget(names), {}, {}
 for j = 1, #names do
-  local i = 2 + (j - 1) * 2
+  local i = 3 + (j - 1) * 3
   local owner = owner_of(owners[j])
   if owner then
     local _, _, _, att = owner_parts(owner)
     if att == ARGV[i] then
       fields[#fields + 1] = ARGV[i]
       fields[#fields + 1] = ARGV[i + 1]
+      if ARGV[i + 2] ~= '' then
+        members[#members + 1] = held_parts(ARGV[i + 1])  -- the deadline
+        members[#members + 1] = ARGV[i + 2]
+      end
     end
   end
 end
 if #fields > 0 then call_many('HSET', K.held .. ARGV[1], fields) end
+if #members > 0 then call_many('ZADD', K.running .. ARGV[2], members) end
 return #fields / 2
 """
 )
@@ -736,15 +744,16 @@ return out
 )
 
 # Free-slot hedging (tasks/policy/hedging.py): the model's running set holds one member per
-# request running now, "attempt|replica|host|tier|max tokens|key", scored by its deadline.
-# A replica adds its batch's requests in its claim's pipeline (which also trims what is past
-# its deadline: tasks/replica/broker.py), and takes out its own when it answers them. This
-# script takes second copies for a batch's empty slots: each chosen member leaves the set
-# (one copy at most) and, while
-# its request waits under that attempt and runs on that member's replica (its claim, its
-# lease alive: not a member left by a dead replica whose request was re-queued), its copy
-# is recorded (`K.copy`: the sweep leaves the request to the copy's replica when the first
-# one dies) and its queue message returned.
+# request running or buffered now, "attempt|replica|host|tier|max tokens|key", scored by its
+# deadline. A replica adds its requests as it records them held (RECORD) and its batch's
+# in its claim's pipeline (which also trims what is past its deadline:
+# tasks/replica/broker.py), and takes out its own when it answers them. This script takes
+# second copies for a batch's empty slots: each chosen member leaves the set and, while its
+# request waits under that attempt, has no copy yet, and runs on that member's replica (its
+# claim) or waits in its buffer (no claim, its held record), the replica's lease alive (not
+# a member left by a dead replica whose request was re-queued, nor one handed back to the
+# queue), its copy is recorded (`K.copy`: the sweep leaves the request to the copy's
+# replica when the first one dies) and its queue message returned.
 # ARGV: model, replica, then the members chosen to copy. Returns the copies' queue messages.
 HEDGE_LUA = (
     LUA_LIB
@@ -764,8 +773,9 @@ for i = 3, #ARGV do
     redis.call('ZREM', running, member)
     local att, runner, key = member:sub(1, cuts[1] - 1), member:sub(cuts[1] + 1, cuts[2] - 1), member:sub(cuts[5] + 1)
     local owner = get_owner(key)
-    local runs = runner ~= me and redis.call('GET', K.claim .. att) == runner and lease_alive(runner)
-    if owner and runs and redis.call('EXISTS', K.cancel .. att) == 0 then
+    local claim = redis.call('GET', K.claim .. att)
+    local runs = runner ~= me and (claim == runner or (not claim and redis.call('HEXISTS', K.held .. runner, att) == 1))
+    if owner and runs and lease_alive(runner) and redis.call('EXISTS', K.cancel .. att, K.copy .. att) == 0 then
       local _, _, _, owner_att, _, message = owner_parts(owner)
       if owner_att == att and message ~= '' then
         redis.call('SET', K.copy .. att, me, 'PX', math.floor(math.max(1, deadline - now) + C.owner_slack_ms))

@@ -242,15 +242,17 @@ class Rescue(_Registered):
 class HeldEntry(NamedTuple):
     attempt: str
     record: str  # control/broker/records.py's `pack_held`: it names the request's key
+    member: str = ""  # its entry in the model's running set (`pack_running`), if copies may be made of it
 
 
 class Record(_Registered):
-    """Write the held records of requests still in flight under their attempt."""
+    """Write the held records of requests still in flight under their attempt, and their
+    members of `model`'s running set."""
 
     SOURCE = RECORD_LUA
 
-    def __call__(self, replica: str, entries: Iterable[HeldEntry]) -> int:
-        args: list[EncodableT] = [replica]
+    def __call__(self, replica: str, entries: Iterable[HeldEntry], model: str = "") -> int:
+        args: list[EncodableT] = [replica, model]
         for entry in entries:
             args += entry
         return int(self._run([keys.held_key(replica)], args))

@@ -50,7 +50,7 @@ class FaultSide(GatewaySide):
                 if self.state[j] not in (WAITING, RUNNING):
                     continue
                 copy = self.hedges.get(j)
-                if self.state[j] == RUNNING and copy is not None and copy.alive:
+                if copy is not None and copy.alive:
                     continue  # a copy runs on another host: it answers
                 was_running = self.state[j] == RUNNING
                 if self.deadline[j] - self.now >= min_ms and self.requeues.get(j, 0) < 2:

@@ -108,11 +108,12 @@ class Group:
         for k, replica in enumerate(self.replicas):
             replica.engine = self.new_engine()
             replica.host = f"{index}.{k // config.host_size}"
-        # Requests running on this group's replicas, free and paid, sorted: (deadline, request,
-        # host), what a batch with slots to spare may carry a copy of (tasks/policy/hedging.py);
-        # kept only where hedging is on.
+        # Requests this group's replicas run or hold buffered, free and paid, sorted: (deadline,
+        # request, host), what a batch with slots to spare may carry a copy of
+        # (tasks/policy/hedging.py); kept only where hedging is on. One that left a buffer
+        # unrun (dropped, cancelled) stays until a scan passes its deadline.
         self.hedging = config.hedge != "off"
-        self.running: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
+        self.held_by: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self.paid_queue: deque[int] = deque()
         self.free_queue: deque[int] = deque()
         self.num_waiting = [0, 0]  # free, paid: the waiting sets admission counts
@@ -141,17 +142,18 @@ class Group:
             return None
         return SimEngine(ContinuousScheduler(self.scheduler_config), self.cost)
 
-    def started(self, pending: Pending, paid: int, host: str) -> None:
+    def held(self, pending: Pending, paid: int, host: str) -> None:
+        """A replica on `host` took it into its buffer (the held hash): a request to copy."""
         if self.hedging:
-            insort(self.running[paid], (pending.deadline_ms, pending.payload, host))
+            insort(self.held_by[paid], (pending.deadline_ms, pending.payload, host))
 
     def stopped(self, pending: Pending, paid: int) -> None:
-        """It ended or its replica was lost: no longer a request to copy."""
+        """It ended, went back to the queue or its replica was lost: no longer a request to copy."""
         if self.hedging:
-            running = self.running[paid]
-            at = bisect_left(running, (pending.deadline_ms, pending.payload, ""))
-            if at < len(running) and running[at][1] == pending.payload:
-                del running[at]
+            held = self.held_by[paid]
+            at = bisect_left(held, (pending.deadline_ms, pending.payload, ""))
+            if at < len(held) and held[at][1] == pending.payload:
+                del held[at]
 
     def capacity(self, now: float | None = None, budget_ms: float = 0.0) -> Capacity:
         """What admission sees; at `now`, with the replicas' phases where they are read."""

@@ -59,11 +59,13 @@ class ReplicaSide(SimState):
 
     def _take(self, replica: SimReplica, i: int) -> None:
         collector = replica.collector
-        collector.add(Pending(str(i), TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now))
+        pending = Pending(str(i), TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now)
+        collector.add(pending)
         if replica.engine is not None:
             if not replica.busy:  # an idle continuous replica admits at once
                 self._cycle(replica)
             return
+        replica.group.held(pending, self.paid[i], replica.host)
         if not replica.busy:
             if len(collector) >= collector.config.max_batch:
                 self._try_launch(replica)
@@ -131,10 +133,7 @@ class ReplicaSide(SimState):
             group.num_waiting[self.paid[j]] -= 1
             self.state[j] = RUNNING
             self.start_ms[j] = now
-        copies = self._hedges(replica, len(batch))
-        for pending in batch:
-            group.started(pending, self.paid[pending.payload], replica.host)
-        batch += copies
+        batch += self._hedges(replica, len(batch))
         duration = self._batch_ms(group, batch)
         replica.batch, replica.busy = batch, True
         replica.last_launch, replica.ends_at = now, now + duration
@@ -142,7 +141,7 @@ class ReplicaSide(SimState):
         if replica.gate.early:  # what the gate knows of its peers matters only to an early pull
             replica.gate.peers(idle=self._peer_idle(replica), launches=self._peer_launches(replica))
         self.stats["batches"] += 1
-        self.stats["batch_rows"] += len(batch) - len(copies)
+        self.stats["batch_rows"] += sum(1 for pending in batch if not is_copy(pending))
         self._timer(replica, END, now + duration)
         self._pull(replica)
 
@@ -155,7 +154,9 @@ class ReplicaSide(SimState):
             j = queue.popleft()
             popped += 1
             if self.state[j] == WAITING:
-                replica.collector.add(Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now))
+                pending = Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now)
+                replica.collector.add(pending)
+                replica.group.held(pending, self.paid[j], replica.host)
         return popped
 
     def _drop_expired(self, replica: SimReplica) -> None:
@@ -174,6 +175,7 @@ class ReplicaSide(SimState):
         group = replica.group
         for pending in reversed(rest):
             j = pending.payload
+            group.stopped(pending, self.paid[j])
             (group.paid_queue if self.paid[j] else group.free_queue).appendleft(j)
         self.stats["rest_handed_back"] += len(rest)
         for peer in list(group.blocked):
@@ -234,7 +236,8 @@ class ReplicaSide(SimState):
         self._pull(replica)
 
     def _hedges(self, replica: SimReplica, num: int) -> list[Pending]:
-        """Copies, for the batch's empty slots, of requests running on another host's replicas."""
+        """Copies, for the batch's empty slots, of requests another host's replicas run or
+        hold buffered for their next batch."""
         group, config = replica.group, self.config
         room = group.collector_config.max_batch - num
         if config.hedge == "off" or room <= 0 or replica.engine is not None:
@@ -242,11 +245,12 @@ class ReplicaSide(SimState):
         finish = self.now + group.batch_ms
         found: list[hedging.Candidate] = []
         for paid in (1, 0):
-            running = group.running[paid]
-            for deadline, j, host in running[bisect_left(running, (finish + config.margin_ms, -1, "")) :]:
+            held = group.held_by[paid]
+            del held[: bisect_left(held, (finish + config.margin_ms, -1, ""))]  # none can be copied again
+            for deadline, j, host in held:
                 if len(found) >= 4 * room:
                     break
-                if host != replica.host and j not in self.hedges and self.state[j] == RUNNING:
+                if host != replica.host and j not in self.hedges and self.state[j] in (RUNNING, WAITING):
                     found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
         chosen = hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found)
         copies = []

@@ -112,16 +112,23 @@ class ReplicaBroker:
         for queue, messages in fronts.items():
             client.rpush(queue, *messages)
 
-    def record_held(self, jobs: list[p.Job]) -> None:
+    def record_held(self, jobs: list[p.Job], host: str | None = None) -> None:
         """Write arrivals into the held hash, in one RECORD call; only those still in
-        flight: one answered meanwhile must not come back. Logs a broker that is away."""
+        flight: one answered meanwhile must not come back. With `host` (this replica's,
+        where hedging is on) those not streamed join their model's running set too, for
+        another host's batch to copy while they wait here. Logs a broker that is away."""
         if not jobs:
             return
-        entries = [scripts.HeldEntry(job.id, self._held_record(job)) for job in jobs]
+        entries = [scripts.HeldEntry(job.id, self._held_record(job), self._member(job, host)) for job in jobs]
         try:
-            self._record_held(self.name, entries)
+            self._record_held(self.name, entries, jobs[0].model)
         except redis.RedisError:
             log.warning("could not record %d requests as held", len(jobs))
+
+    def _member(self, job: p.Job, host: str | None) -> str:
+        if host is None or job.stream:  # a stream's text must come from one run
+            return ""
+        return records.pack_running(job.id, self.name, host, job.tier, job.max_tokens, job.key)
 
     def _held_record(self, job: p.Job) -> str:
         """Names the request; a sweep finds its message in the owner record."""

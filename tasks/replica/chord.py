@@ -108,6 +108,7 @@ def attach(replica: Replica, app: Celery) -> ChordPolicy:
         raise ValueError("the chord collector runs static batches; this replica's engine is continuous")
     policy = ChordPolicy(replica, replica.loop, replica.intake.hold, app, chord_queue(replica.name))
     replica.loop.policy = policy
+    replica.intake.copyable = False  # a chord's members are its own batch: no copies are made
     wants = replica.wants_messages
     replica.wants_messages = lambda: policy.num_unpulled() > 0 or wants()  # type: ignore[method-assign]
     app.keybatch_chord = policy

@@ -44,6 +44,9 @@ class Intake:
         self.replica = replica
         self._arrivals = threading.Condition()
         self._unrecorded: list[p.Job] = []  # taken from the queue, not yet in the held hash
+        # Buffered requests may be copied into another host's batch (the loop's policy hedges):
+        # the recorder adds them to the model's running set.
+        self.copyable = False
         self.recorder = threading.Thread(target=self._record, name=f"held-{replica.name}", daemon=True)
 
     def pending(self, job: p.Job, message: str | None = None) -> Pending:
@@ -119,7 +122,8 @@ class Intake:
                 self._arrivals.notify()
 
     def _record(self) -> None:
-        """Write arrivals into the held hash: one RECORD script call for what arrived within
+        """Write arrivals into the held hash (and, where copies of them may be made, the
+        model's running set): one RECORD script call for what arrived within
         `RECORD_MS` of the first, so the consumer never waits for it and a pulled batch (a
         burst of messages) costs a few round trips, not one each."""
         stopped = self.replica.stopped
@@ -132,4 +136,5 @@ class Intake:
             stopped.wait(RECORD_MS / 1000.0)
             with self._arrivals:
                 jobs, self._unrecorded = self._unrecorded, []
-            self.replica.broker.record_held(jobs)
+            r = self.replica
+            r.broker.record_held(jobs, r.host() if self.copyable else None)

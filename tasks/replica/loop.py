@@ -52,6 +52,7 @@ class Loop:
             ContinuousPolicy(replica, self) if replica.engine.continuous else StaticPolicy(replica, self, intake.hold)
         )
         self.in_hand: list[Pending] = []  # taken from the buffer, not yet answered nor in the engine
+        intake.copyable = replica.config.hedge != "off" and not replica.engine.continuous
 
     def run(self) -> None:
         r = self.replica

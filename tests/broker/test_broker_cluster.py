@@ -21,7 +21,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
 
-from control.broker import keys, lua
+from control.broker import keys, lua, records
 from control.broker.lua import ADMIT_LUA, CANCEL_LUA, OWNER_SLACK_MS
 from control.core import protocol as p
 from control.core.procs import child_of, free_port
@@ -199,9 +199,11 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     # The replica: its lease, held records, claims, streamed text, delivery.
     cluster.set(keys.lease_key("r1"), 1, px=60_000)
     cluster.sadd(keys.HOLDERS_KEY, "r1")
-    record = ["r1", "att-b", _held_record("att-b", "t:b", now + 60_000)]
+    member = records.pack_running("att-b", "r1", "host-a", "paid", 16, "t:b")  # copies may be made of it
+    record = ["r1", MODEL, "att-b", _held_record("att-b", "t:b", now + 60_000), member]
     gone = _held_record("att-gone", "t:gone", now + 60_000)
-    assert s.record(keys=[keys.held_key("r1")], args=[*record, "att-gone", gone]) == 1
+    assert s.record(keys=[keys.held_key("r1")], args=[*record, "att-gone", gone, ""]) == 1
+    assert cluster.zscore(keys.running_key(MODEL), member) == pytest.approx(now + 60_000, abs=1)
     cluster.set(keys.lease_key("r2"), 1, px=60_000)
     cluster.set(keys.claim_key("att-other"), "r2", px=60_000)  # running on r2, whose lease is alive
     assert s.claim(keys=[keys.held_key("r1")], args=["r1", 60_000, "att-b", "att-other"]) == [1, 0]
@@ -223,8 +225,8 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     cluster.hset(keys.replica_key("r3"), "model", MODEL)
     cluster.zadd(keys.idle_key(MODEL), {"r3": now})
     cluster.zadd(keys.launch_key(MODEL), {"r3": now})
-    late = ["r3", "att-d", _held_record("att-d", "t:d", now + 60_000)]
-    assert s.record(keys=[keys.held_key("r3")], args=[*late, "att-e", _held_record("att-e", "t:e", now)]) == 2
+    late = ["r3", "", "att-d", _held_record("att-d", "t:d", now + 60_000), ""]
+    assert s.record(keys=[keys.held_key("r3")], args=[*late, "att-e", _held_record("att-e", "t:e", now), ""]) == 2
     cluster.sadd(keys.HOLDERS_KEY, "r3")
     assert s.sweep_dead(keys=[keys.HOLDERS_KEY], args=[265])[:4] == [1, 1, 1, 1]  # r3 swept: d re-queued, e expired
     assert cluster.zscore(keys.waiting_key(MODEL, "paid"), "att-d") is not None

@@ -34,10 +34,12 @@ def state() -> Iterator[redis.Redis]:
         yield redis.Redis.from_url(broker.url)
 
 
-def _replica(state: redis.Redis, name: str, host: str, batch_ms: float, hedge: HedgeMode) -> Replica:
+def _replica(
+    state: redis.Redis, name: str, host: str, batch_ms: float, hedge: HedgeMode, hand_back: bool = True
+) -> Replica:
     engine = FixedLatencyEngine(max_batch=4, batch_ms=batch_ms)
     collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=batch_ms)
-    config = ReplicaConfig(name, MODEL, collector, lease_ms=2000.0, host=host, hedge=hedge)
+    config = ReplicaConfig(name, MODEL, collector, lease_ms=2000.0, host=host, hedge=hedge, hand_back=hand_back)
     return Replica(config, engine, state, BrokerClock(state))
 
 
@@ -85,6 +87,29 @@ def test_an_empty_slot_on_another_host_answers_a_request_whose_own_run_is_slow(
         assert slow.stats.wasted_slots == 1
         assert _answers(state, items) == 2 and len(items["a1"]) == 1  # answered once
         assert state.zcard(keys.running_key(MODEL)) == 0
+    finally:
+        quick.stop()
+        slow.stop()
+
+
+def test_a_request_buffered_behind_a_slow_batch_answers_from_another_hosts_empty_slot(state: redis.Redis) -> None:
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    # It keeps what it takes while busy, as a pull in its lead does.
+    slow = _replica(state, "r-slow", "host-a", 3_000.0, "all", hand_back=False)
+    quick = _replica(state, "r-quick", "host-b", 100.0, "all")
+    slow.start()
+    quick.start()
+    try:
+        now = BrokerClock(state).now_ms()
+        slow.submit(_admit(state, messages, 1, "free", now))
+        assert until(lambda: slow.busy, 5)
+        slow.submit(_admit(state, messages, 2, "paid", now))  # waits for the slow replica's next batch
+        assert until(lambda: state.zcard(keys.running_key(MODEL)) == 2, 5)  # recorded: a member too
+        quick.submit(_admit(state, messages, 3, "free", now))
+        items: dict[str, list[dict]] = {}
+        assert until(lambda: _answers(state, items) >= 3, 5)
+        assert [i["replica"] for i in items["a2"]] == ["r-quick"] and items["a2"][0]["hedged"] is True
+        assert quick.stats.hedged == 2  # the running one and the buffered one
     finally:
         quick.stop()
         slow.stop()

@@ -386,6 +386,31 @@ def test_a_hedge_copies_a_running_request_once_and_the_sweep_leaves_it_to_the_co
     assert state.get(keys.HEDGE_WASTED_KEY) == b"1" and state.get(keys.WASTED_KEY) is None
 
 
+def test_a_request_buffered_for_the_next_batch_is_copied_once_by_another_replica(state: redis.Redis) -> None:
+    """Recorded held with its member, not claimed yet: another replica may copy it; its
+    own may not; a copy made, or the request handed back to the queue, ends that."""
+    queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
+    members, messages = [], []
+    for attempt, key in (("a1", "acme:r1"), ("a2", "acme:r2")):
+        _admit(state, key, attempt)
+        messages.append(state.rpop(queue))
+        member = records.pack_running(attempt, "r1", "host-a", "paid", 16, key)
+        entry = scripts.HeldEntry(attempt, records.pack_held(FAR_MS, queue, waiting, key), member)
+        assert scripts.Record(state)("r1", [entry], MODEL) == 1
+        members.append(member)
+    assert state.zscore(keys.running_key(MODEL), members[0]) == FAR_MS  # joined at the record, by its deadline
+    state.set(keys.lease_key("r1"), "1")
+    hedge = scripts.Hedge(state)
+    assert hedge(MODEL, "r1", members[:1]) == []  # its own replica runs it anyway
+    state.zadd(keys.running_key(MODEL), {members[0]: FAR_MS})
+    state.hdel(keys.held_key("r1"), "a2")  # handed back to the queue
+    assert hedge(MODEL, "r2", members) == [messages[0]]
+    assert state.get(keys.copy_key("a1")) == b"r2" and state.get(keys.copy_key("a2")) is None
+    state.zadd(keys.running_key(MODEL), {members[0]: FAR_MS})  # r1's claim adds it again
+    assert scripts.Claim(state)("r1", 60_000, ["a1"]) == [True]
+    assert hedge(MODEL, "r3", members[:1]) == []  # a copy runs already: one at most
+
+
 def test_a_member_left_by_a_dead_replica_is_not_copied_once_its_request_is_requeued(state: redis.Redis) -> None:
     _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     assert scripts.Claim(state)("r1", 60_000, ["a1"]) == [True]

@@ -339,14 +339,14 @@ class _LossWatch(Simulation):
         self.lost_buffered = {p.payload for r in lost for p in r.collector.waiting}
 
 
-def test_with_hedging_a_host_loss_ends_504_only_what_the_lost_host_held_unstarted() -> None:
-    """Two hosts of two at 35% load: every request the lost host was running has a copy on
-    the other host, and answers. What it held in its buffer for its next batch is
-    re-queued only when its leases lapse, by when the survivors have started their next
-    batches: those, and only those, end 504 (no copy is made of a request not yet running)."""
+def test_with_hedging_what_a_lost_host_ran_or_held_answers_through_copies() -> None:
+    """Two hosts of two at 35% load: every request the lost host was running, and every one
+    it held buffered for its next batch, has a copy on the other host and answers; none
+    ends 504. Without copies of buffered requests, those were re-queued only when the
+    leases lapsed, after the survivors' next starts, and ended 504."""
     config = make_config(4, max_batch=16, budget_ms=600, hedge="all", host_size=2, host_loss_at_s=5.0, restart_s=7.0)
     run = _LossWatch(config, make_workload(0.35 * 4 * 16 * 4, 20, paid_fraction=0.3, seed=1))
     result = run.run()
-    ended_504 = set(np.flatnonzero((result.state == EXPIRED) | (result.state == LATE)).tolist())
-    assert run.lost_running and all(result.state[j] == OK for j in run.lost_running)
-    assert ended_504 and ended_504 <= run.lost_buffered
+    assert run.lost_running and run.lost_buffered
+    assert all(result.state[j] == OK for j in run.lost_running | run.lost_buffered)
+    assert not np.any((result.state == EXPIRED) | (result.state == LATE))
