@@ -296,6 +296,18 @@ def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write all figures here")
 
 
+def add_host_loss_sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--replicas-per-host", type=int, default=2, help="the first host's are lost")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--loads", default="0.35,0.45,0.7", help="shares of the replicas' capacity")
+    p.add_argument("--seeds", type=int, default=5, help="arrivals: one run, and one loss, per seed and arm")
+    p.add_argument("--seconds", type=float, default=20.0, help="simulated seconds a run")
+    p.add_argument("--detect-ms", type=float, default=400.0, help="from the loss to the sweep (lease and sweep)")
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--json", default=None, help="write all figures here")
+
+
 def add_simcheck_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default="0.3,0.6,0.9", help="shares of the fleet's capacity")
     p.add_argument("--workers", type=int, default=2, help="replicas")

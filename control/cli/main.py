@@ -78,6 +78,7 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         add_engine_bench_args,
         add_floor_args,
         add_goodput_args,
+        add_host_loss_sim_args,
         add_ops_bench_args,
         add_path_cpu_args,
         add_peer_args,
@@ -97,6 +98,11 @@ def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     add_simcheck_args(bench_sub.add_parser("simcheck", help="the simulator against the live fleet at the same loads"))
     add_tiers_sim_args(
         bench_sub.add_parser("tiers-sim", help="paid against free, simulated: the rest of a batch handed back or not")
+    )
+    add_host_loss_sim_args(
+        bench_sub.add_parser(
+            "host-loss-sim", help="a lost host, simulated: no copies, copies of running or buffered too"
+        )
     )
     add_dash_bench_args(bench_sub.add_parser("dash", help="the dashboard's own CPU, watching a fleet under load"))
     add_rebalance_bench_args(
@@ -311,6 +317,10 @@ def _bench(settings: Settings, args: argparse.Namespace) -> int:
         from control.bench.tiers_sim import run_tiers_sim
 
         return run_tiers_sim(args)
+    if args.bench == "host-loss-sim":
+        from control.bench.host_loss_sim import run_host_loss_sim
+
+        return run_host_loss_sim(args)
     if args.bench == "ops":
         from control.bench.operations import run_ops
 

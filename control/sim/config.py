@@ -36,8 +36,11 @@ class SimConfig:
     launch_refresh_ms: float = 50.0
     host_size: int = 8  # replicas a host carries (a group's replicas fill hosts in turn)
     # Free-slot hedging (tasks/policy/hedging.py): a static batch's empty slots carry
-    # copies of requests running on another host's replicas: "off", "paid" or "all".
+    # copies of requests running on another host's replicas, or buffered there for their
+    # next batch: "off", "paid" or "all". `hedge_buffered` False copies running ones only
+    # (the rule before buffered requests were copied live too, for comparison).
     hedge: HedgeMode = "off"
+    hedge_buffered: bool = True
     host_loss_at_s: float | None = None  # one host of the first group dies then
     restart_s: float = 5.0  # and is back this long after
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)

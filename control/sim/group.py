@@ -113,6 +113,7 @@ class Group:
         # (tasks/policy/hedging.py); kept only where hedging is on. One that left a buffer
         # unrun (dropped, cancelled) stays until a scan passes its deadline.
         self.hedging = config.hedge != "off"
+        self.hedge_buffered = config.hedge_buffered
         self.held_by: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self.paid_queue: deque[int] = deque()
         self.free_queue: deque[int] = deque()
@@ -142,9 +143,10 @@ class Group:
             return None
         return SimEngine(ContinuousScheduler(self.scheduler_config), self.cost)
 
-    def held(self, pending: Pending, paid: int, host: str) -> None:
-        """A replica on `host` took it into its buffer (the held hash): a request to copy."""
-        if self.hedging:
+    def held(self, pending: Pending, paid: int, host: str, started: bool = False) -> None:
+        """A replica on `host` took it into its buffer (the held hash), or `started` it
+        where buffered requests are not copied: a request to copy."""
+        if self.hedging and started != self.hedge_buffered:
             insort(self.held_by[paid], (pending.deadline_ms, pending.payload, host))
 
     def stopped(self, pending: Pending, paid: int) -> None:

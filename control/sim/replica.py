@@ -133,7 +133,10 @@ class ReplicaSide(SimState):
             group.num_waiting[self.paid[j]] -= 1
             self.state[j] = RUNNING
             self.start_ms[j] = now
-        batch += self._hedges(replica, len(batch))
+        copies = self._hedges(replica, len(batch))
+        for pending in batch:
+            group.held(pending, self.paid[pending.payload], replica.host, started=True)
+        batch += copies
         duration = self._batch_ms(group, batch)
         replica.batch, replica.busy = batch, True
         replica.last_launch, replica.ends_at = now, now + duration

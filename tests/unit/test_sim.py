@@ -350,3 +350,18 @@ def test_with_hedging_what_a_lost_host_ran_or_held_answers_through_copies() -> N
     assert run.lost_running and run.lost_buffered
     assert all(result.state[j] == OK for j in run.lost_running | run.lost_buffered)
     assert not np.any((result.state == EXPIRED) | (result.state == LATE))
+
+
+def test_the_host_loss_bench_runs_each_arm_on_the_same_arrivals(tmp_path: Path) -> None:
+    from control.cli.main import main
+
+    out = tmp_path / "host-loss.json"
+    args = ["bench", "host-loss-sim", "--loads", "0.35", "--seeds", "2", "--processes", "1", "--json", str(out)]
+    assert main(args) == 0
+    totals = {t["arm"]: t for t in json.loads(out.read_text())["totals"]}
+    assert list(totals) == ["off", "running", "+buffered"]
+    assert len({t["sent"] for t in totals.values()}) == 1  # the same arrivals
+    assert totals["off"]["hedged"] == 0 < totals["running"]["hedged"]
+    assert totals["off"]["running_504"] > 0 == totals["running"]["running_504"]
+    assert totals["running"]["buffered_504"] > 0 == totals["+buffered"]["buffered_504"]
+    assert main(["bench", "host-loss-sim", "--replicas", "2"]) == 2  # one host: nothing to lose to
