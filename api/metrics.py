@@ -231,7 +231,7 @@ class _FleetCollector(Collector):
         )
         hedged = CounterMetricFamily(
             "keybatch_hedged",
-            "Second copies (hedges) run in a static batch's empty slots, of requests running on another host",
+            "Second copies (hedges) run in a static batch's empty slots, of requests another host runs or holds",
             labels=["replica", "model"],
         )
         hedge_wins = CounterMetricFamily(

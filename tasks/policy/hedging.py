@@ -3,8 +3,9 @@ Redis, no torch; time comes from the caller.
 
 A static batch costs the same whether it holds 1 request or 64, so a slot no primary
 request wants is free. A replica starting a batch with slots to spare fills them with
-copies of requests that run now on replicas of another host: if that host is lost, the
-copy answers; if not, the copy's result is dropped (a wasted slot that cost nothing).
+copies of requests that run now on replicas of another host, or wait buffered there for
+their next batch: if that host is lost, the copy answers; if not, the first answer wins
+and the other run's result is dropped (a wasted slot that cost nothing).
 
 - Only a request whose copy can still finish by its deadline is worth a slot.
 - Paid requests first, then free ones where the mode allows; within a tier the earliest
@@ -27,7 +28,7 @@ HEDGE_MODES: tuple[HedgeMode, ...] = ("off", "paid", "all")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A request running on another replica."""
+    """A request running, or buffered for the next batch, on another replica."""
 
     key: Any  # the caller's handle on the request
     tier: Tier

@@ -214,8 +214,9 @@ class Loop:
         return members
 
     def hedge(self, batch: list[Pending], running: list[tuple[bytes, float]], finish_ms: float) -> list[Pending]:
-        """Free-slot hedging: the batch's empty slots take second copies of requests running
-        on another host (tasks/policy/hedging.py); the copies to add to the batch. A copy is
+        """Free-slot hedging: the batch's empty slots take second copies of requests running,
+        or buffered for the next batch, on another host (tasks/policy/hedging.py); the
+        copies to add to the batch. A copy is
         neither held nor claimed here: the first answer wins, the other is counted as a
         wasted hedge. One script call, only when there is something to copy."""
         r = self.replica

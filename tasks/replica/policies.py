@@ -101,8 +101,8 @@ class Policy(Protocol):
 
     def hedge_finish_ms(self, now_ms: float) -> float | None:
         """Under no lock: when a batch taken now ends, if its empty slots may carry second
-        copies of requests running elsewhere (free-slot hedging); None where a slot is
-        not free."""
+        copies of requests running or buffered elsewhere (free-slot hedging); None where a
+        slot is not free."""
         ...
 
 
