@@ -2,8 +2,9 @@
 hedging off, copying running requests only, and copying buffered ones too (the live rule).
 
 Each run is R replicas of batch B on the fixed 250 ms backend, as hosts of H replicas, 30%
-paid, a 600 ms budget; the first host is lost 5 s in, noticed `--detect-ms` later (the
-lease and the sweep), and back 7 s after the loss. Every arm runs the same arrivals, seed
+paid, a 600 ms budget; the first host is lost 5 s in; its requests may be copied until its
+leases lapse (`--lease-ms`), it is noticed `--detect-ms` later (the lease and the sweep),
+and it is back 7 s after the loss. Every arm runs the same arrivals, seed
 by seed. A request the lost host held is one it was running, or had buffered for its next
 batch, when it vanished: the 504s among them are what hedging is for; the rest of the 504s
 and the 429s are the survivors' load.
@@ -62,6 +63,7 @@ class Run(NamedTuple):
     per_host: int
     batch: int
     seconds: float
+    lease_ms: float
     detect_ms: float
 
 
@@ -76,6 +78,7 @@ def _one(run: Run) -> dict[str, Any]:
         host_size=run.per_host,
         host_loss_at_s=LOSS_AT_S,
         restart_s=RESTART_S,
+        lease_ms=run.lease_ms,
         detect_ms=run.detect_ms,
     )
     rate = run.load * run.replicas * run.batch * 4
@@ -124,8 +127,21 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
     if args.replicas < 2 * args.replicas_per_host or args.seeds < 1:
         print("keybatch bench host-loss-sim: two hosts at least, and one seed")
         return 2
+    if not 0 < args.lease_ms <= args.detect_ms:
+        print("keybatch bench host-loss-sim: a lease lapses before the loss is detected")
+        return 2
     runs = [
-        Run(name, load, seed, args.replicas, args.replicas_per_host, args.max_batch, args.seconds, args.detect_ms)
+        Run(
+            name,
+            load,
+            seed,
+            args.replicas,
+            args.replicas_per_host,
+            args.max_batch,
+            args.seconds,
+            args.lease_ms,
+            args.detect_ms,
+        )
         for load in loads
         for name, _mode, _buffered in ARMS
         for seed in range(1, args.seeds + 1)

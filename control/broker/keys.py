@@ -114,9 +114,9 @@ def requeued_key(attempt: str) -> str:
 
 
 def running_key(model: str) -> str:
-    """Sorted set of the model's requests running now, with the host of each, scored by
-    deadline: what a batch with slots to spare may carry a second copy of (free-slot
-    hedging, control/broker/lua.py's `HEDGE_LUA`)."""
+    """Sorted set of the model's requests running now or buffered for a replica's next
+    batch, with the host of each, scored by deadline: what a batch with slots to spare may
+    carry a second copy of (free-slot hedging, control/broker/lua.py's `HEDGE_LUA`)."""
     return key("running", model)
 
 

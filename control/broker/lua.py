@@ -448,7 +448,7 @@ for j = 1, #names do
   end
 end
 if #fields > 0 then call_many('HSET', K.held .. ARGV[1], fields) end
-if #members > 0 then call_many('ZADD', K.running .. ARGV[2], members) end
+if #members > 0 and ARGV[2] ~= '' then call_many('ZADD', K.running .. ARGV[2], members) end
 return #fields / 2
 """
 )
@@ -747,7 +747,8 @@ return out
 # request running or buffered now, "attempt|replica|host|tier|max tokens|key", scored by its
 # deadline. A replica adds its requests as it records them held (RECORD) and its batch's
 # in its claim's pipeline (which also trims what is past its deadline:
-# tasks/replica/broker.py), and takes out its own when it answers them. This script takes
+# tasks/replica/broker.py), and takes out its own when it answers them or they leave its
+# buffer unrun. This script takes
 # second copies for a batch's empty slots: each chosen member leaves the set and, while its
 # request waits under that attempt, has no copy yet, and runs on that member's replica (its
 # claim) or waits in its buffer (no claim, its held record), the replica's lease alive (not

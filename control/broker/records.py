@@ -102,13 +102,13 @@ def parse_held(raw: bytes | str) -> Held:
     return Held(float(deadline), queue, waiting, key, message)
 
 
-# -- a running request, as the model's running set holds it (free-slot hedging) ---------
+# -- a running or buffered request, as the model's running set holds it (free-slot hedging) --
 
 
 @dataclass(frozen=True)
 class Running:
     attempt: str
-    replica: str  # the replica that claimed it
+    replica: str  # the replica that claimed it, or holds it buffered
     host: str
     tier: str
     max_tokens: int

@@ -303,6 +303,7 @@ def add_host_loss_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default="0.35,0.45,0.7", help="shares of the replicas' capacity")
     p.add_argument("--seeds", type=int, default=5, help="arrivals: one run, and one loss, per seed and arm")
     p.add_argument("--seconds", type=float, default=20.0, help="simulated seconds a run")
+    p.add_argument("--lease-ms", type=float, default=300.0, help="a lost replica's requests are copied until then")
     p.add_argument("--detect-ms", type=float, default=400.0, help="from the loss to the sweep (lease and sweep)")
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--json", default=None, help="write all figures here")

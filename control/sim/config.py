@@ -44,6 +44,7 @@ class SimConfig:
     host_loss_at_s: float | None = None  # one host of the first group dies then
     restart_s: float = 5.0  # and is back this long after
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
+    lease_ms: float = 300.0  # a lost replica's requests may be copied until its lease lapses
     region_loss_at_s: float | None = None  # region 0 is lost then
     resend_ms: float = 100.0  # a client's retry of a lost region's request reaches another region
     # Broker cells of one region, played by the regions of the run: cell 0's broker is lost
@@ -71,6 +72,8 @@ class SimConfig:
             raise ValueError("one replica count (>= 1) per model")
         if self.hedge not in ("off", "paid", "all"):
             raise ValueError(f"hedge must be off, paid or all, not {self.hedge!r}")
+        if not 0 < self.lease_ms <= self.detect_ms:
+            raise ValueError("a lease lapses before its loss is detected (0 < lease_ms <= detect_ms)")
         if self.policy not in ("static", "continuous"):
             raise ValueError(f"policy must be static or continuous, not {self.policy!r}")
         if self.policy == "continuous" and set(self.models) - set(self.costs):

@@ -25,6 +25,8 @@ class FaultSide(GatewaySide):
             replica.tokens = [t + 1 for t in replica.tokens]
             if replica in group.blocked:
                 group.blocked.remove(replica)
+        for replica in dead:  # when their leases lapse, nothing they held is copied any more
+            group.lapses_at[replica.host] = self.now + self.config.lease_ms
         self._push(self.now + self.config.detect_ms, SWEEP, dead, 0)
         self._push(self.now + self.config.restart_s * 1000.0, HOST_UP, dead, 0)
 
@@ -69,6 +71,8 @@ class FaultSide(GatewaySide):
 
     def _host_up(self, dead: list[SimReplica]) -> None:
         group = dead[0].group
+        for replica in dead:
+            group.lapses_at.pop(replica.host, None)
         for replica in dead:
             replica.alive = True
             replica.collector = Collector(group.collector_config)

@@ -114,6 +114,7 @@ class Group:
         # unrun (dropped, cancelled) stays until a scan passes its deadline.
         self.hedging = config.hedge != "off"
         self.hedge_buffered = config.hedge_buffered
+        self.lapses_at: dict[str, float] = {}  # a lost host: when its replicas' leases lapse
         self.held_by: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self.paid_queue: deque[int] = deque()
         self.free_queue: deque[int] = deque()

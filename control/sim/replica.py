@@ -163,10 +163,15 @@ class ReplicaSide(SimState):
         return popped
 
     def _drop_expired(self, replica: SimReplica) -> None:
-        """What can no longer finish in time leaves the buffer: answered 504."""
+        """What can no longer finish in time leaves the buffer: answered 504, unless a copy of
+        it runs on a live replica, which may still answer it (`TO_COPY`)."""
         group = replica.group
         for pending in replica.collector.pop_expired(self.now):
             j = pending.payload
+            copy = self.hedges.get(j)
+            if copy is not None and copy.alive:
+                group.stopped(pending, self.paid[j])
+                continue
             if self.state[j] == WAITING:
                 self.state[j] = EXPIRED
                 group.num_waiting[self.paid[j]] -= 1
@@ -246,6 +251,7 @@ class ReplicaSide(SimState):
         if config.hedge == "off" or room <= 0 or replica.engine is not None:
             return []
         finish = self.now + group.batch_ms
+        lapsed = {host for host, at in group.lapses_at.items() if at <= self.now}  # HEDGE: the lease alive
         found: list[hedging.Candidate] = []
         for paid in (1, 0):
             held = group.held_by[paid]
@@ -253,7 +259,12 @@ class ReplicaSide(SimState):
             for deadline, j, host in held:
                 if len(found) >= 4 * room:
                     break
-                if host != replica.host and j not in self.hedges and self.state[j] in (RUNNING, WAITING):
+                if (
+                    host != replica.host
+                    and host not in lapsed
+                    and j not in self.hedges
+                    and self.state[j] in (RUNNING, WAITING)
+                ):
                     found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
         chosen = hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found)
         copies = []

@@ -34,14 +34,21 @@ Fields = dict[str, str | int | float]  # a registry entry (control/broker/record
 Reply = p.Result | p.Failed | p.Dropped
 
 
-HEDGE_SCAN = 256  # running requests a hedge reads at most, by deadline
+HEDGE_SCAN = 256  # members of the running set (running or buffered requests) a hedge reads at most, by deadline
+
+
+class Taken(NamedTuple):
+    reasons: dict[str, str]  # per id that has one, why it left (cancelled, superseded, ...)
+    late: list[tuple[p.Job, str]]  # requests taken from the queue now, with their raw messages
+    launches: list[float] | None  # the peers' latest launches, where asked
+    copied: set[str]  # buffered requests another replica runs a copy of
 
 
 class Settled(NamedTuple):
     claimed: list[bool]  # per launched request: this replica runs it
     peers_idle: bool  # a peer is idle
     launches: list[float]  # when the peers last started a batch
-    running: list[tuple[bytes, float]]  # the model's running requests a hedge may copy (member, deadline)
+    running: list[tuple[bytes, float]]  # the model's running or buffered requests a hedge may copy (member, deadline)
 
 
 class Answered(NamedTuple):
@@ -159,21 +166,32 @@ class ReplicaBroker:
     def cancels_and_paid(
         self, model: str, ids: list[str], room: int, behind: int = 0, fill: int = 0
     ) -> tuple[dict[str, str], list[tuple[p.Job, str]]]:
-        reasons, jobs, _launches = self.take(model, ids, room, behind, fill)
-        return reasons, jobs
+        taken = self.take(model, ids, room, behind, fill)
+        return taken.reasons, taken.late
 
     def take(
-        self, model: str, ids: list[str], room: int, behind: int = 0, fill: int = 0, launches: bool = False
-    ) -> tuple[dict[str, str], list[tuple[p.Job, str]], list[float] | None]:
+        self,
+        model: str,
+        ids: list[str],
+        room: int,
+        behind: int = 0,
+        fill: int = 0,
+        launches: bool = False,
+        copied: Sequence[str] = (),
+    ) -> Taken:
         """One round trip: the cancel reason of each of `ids` that has one, and requests
         still in the queue, with their raw messages: up to `room` paid ones (and `behind`
         free ones in line) that would otherwise ride behind requests already buffered, and
         up to `fill` more of any tier, paid first, for the seats the buffer leaves empty
         (what the consumer has not pulled yet rides this batch, not the next); with
-        `launches`, the peers' latest launches too (as `settle` reads them)."""
-        if not ids and not room and not behind and not fill and not launches:
-            return {}, [], None
+        `launches`, the peers' latest launches too (as `settle` reads them); of `copied`
+        (buffered requests, where copies may be made of them), those another replica runs
+        a copy of."""
+        if not ids and not room and not behind and not fill and not launches and not copied:
+            return Taken({}, [], None, set())
         pipe = self.redis.pipeline(transaction=False)
+        if copied:
+            pipe.mget([keys.copy_key(i) for i in copied])
         if ids:
             pipe.mget([keys.cancel_key(i) for i in ids])
         if room or behind or fill:
@@ -187,6 +205,8 @@ class ReplicaBroker:
             pipe.zrange(keys.launch_key(model), 0, -1, withscores=True)
         results = pipe.execute()
         peer_launches = self._others(results.pop()) if launches else None
+        copies = results.pop(0) if copied else []
+        running_copies = {i for i, v in zip(copied, copies, strict=True) if v is not None and v.decode() != self.name}
         values = results[0] if ids else []
         reasons = {i: v.decode() for i, v in zip(ids, values, strict=True) if v is not None}
         jobs = _jobs_of([raw for popped in results[1 if ids else 0 :] for raw in popped or []], "queued")
@@ -195,7 +215,7 @@ class ReplicaBroker:
             # The client does not decode replies: the values are bytes.
             values = cast("list[bytes | None]", self.redis.mget([keys.cancel_key(i) for i in late]))
             reasons.update({i: v.decode() for i, v in zip(late, values, strict=True) if v is not None})
-        return reasons, jobs, peer_launches
+        return Taken(reasons, jobs, peer_launches, running_copies)
 
     # -- settle: who left the buffer, and the claim -------------------------------------
 
@@ -208,6 +228,8 @@ class ReplicaBroker:
         scan_from_ms: float | None = None,
         running: Sequence[tuple[str, float]] = (),
         handed_back: Sequence[p.Job] = (),
+        to_copies: Sequence[p.Job] = (),
+        host: str | None = None,
     ) -> Settled | None:
         """One pipeline: held records of paid requests taken at this launch (those with a
         message), out of the waiting sets for all that leave, Dropped notices, and with
@@ -217,15 +239,26 @@ class ReplicaBroker:
         out of it, and the running requests whose deadline is no earlier than `scan_from_ms`
         (what a hedge may copy). `handed_back` (earliest deadline first) leaves the held hash
         and goes back to the front of its queue, the earliest to be taken first; it stays
-        in the waiting sets. Returns what a claim answered, else None."""
+        in the waiting sets. `to_copies` can no longer finish a batch here but has a copy
+        running on another replica: it leaves the held hash and the waiting sets with no
+        notice, and the copy answers it. With `host` (where buffered requests joined the
+        running set) what leaves the buffer unrun leaves the running set too. Returns what
+        a claim answered, else None."""
         pipe = self.redis.pipeline(transaction=False)
+        if handed_back or to_copies:
+            pipe.hdel(keys.held_key(self.name), *[job.id for job in [*handed_back, *to_copies]])
         if handed_back:
-            pipe.hdel(keys.held_key(self.name), *[job.id for job in handed_back])
             self._push_front(pipe, handed_back)
+        unrun = [*handed_back, *to_copies, *(job for job, _reason in dropped)]
+        members = [self._member(job, host) for job in unrun] if host is not None else []
+        if any(members):
+            pipe.zrem(keys.running_key(model), *[m for m in members if m])
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
             pipe.hset(keys.held_key(self.name), mapping=late)
-        self._leave_waiting(pipe, model, [job for job, _msg in launched] + [job for job, _reason in dropped])
+        self._leave_waiting(
+            pipe, model, [job for job, _msg in launched] + [job for job, _reason in dropped] + [*to_copies]
+        )
         notices = [p.Dropped(id=job.id, reason=reason, replica=self.name) for job, reason in dropped]
         self._reply(pipe, notices, [job for job, _reason in dropped])
         if claim is None:
@@ -255,7 +288,7 @@ class ReplicaBroker:
 
     def hedge(self, model: str, chosen: list[str]) -> list[tuple[p.Job, str]]:
         """Take copies of the `chosen` members of the model's running set that still run
-        where they were claimed: their jobs and messages."""
+        where they were claimed, or wait buffered there unclaimed: their jobs and messages."""
         return _jobs_of(self._hedge(model, self.name, chosen) or [], "running")
 
     def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:

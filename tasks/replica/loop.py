@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 # waited on (its bound) before a batch's answers go through another cell.
 BROKER_DOUBT_MS = 1000.0
 
+# Why a buffered request left with no notice: it can no longer finish a batch here, and a
+# copy of it runs on another host's replica, which may still answer it in time.
+TO_COPY = "to_copy"
+
 
 class Loop:
     def __init__(self, replica: ReplicaCore, intake: Intake, ops: Operations) -> None:
@@ -90,11 +94,14 @@ class Loop:
         # (and free ones in line behind buffered requests of a tenant beyond its share), and
         # any, paid first, for the seats the buffer leaves empty.
         spreads = self.policy.spreads()
-        reasons, late_paid, launches = r.broker.take(r.model, ids + list(r.joined), room, behind, fill, spreads)
+        copied = ids if self.intake.copyable else []
+        reasons, late_paid, launches, copies = r.broker.take(
+            r.model, ids + list(r.joined), room, behind, fill, spreads, copied
+        )
         now = r.clock.now_ms()
         self._abort_gone_running(reasons, now)
         with r.cond:
-            dropped = self._add_late_paid_and_drop_gone(late_paid, reasons, now)
+            dropped = self._add_late_paid_and_drop_gone(late_paid, reasons, now, copies)
             if launches is not None:  # the peers' phases as of now: a batch not full waits for its own
                 r.gate.peers(launches=launches)
                 r.collector.stagger_from(r.gate.peer_launches, r.collector.last_batch, now)
@@ -106,17 +113,19 @@ class Loop:
         return batch, {reason: group for reason, group in dropped.items() if group}, rest
 
     def _add_late_paid_and_drop_gone(
-        self, late_paid: list[tuple[p.Job, str]], reasons: dict[str, str], now_ms: float
+        self, late_paid: list[tuple[p.Job, str]], reasons: dict[str, str], now_ms: float, copies: set[str]
     ) -> dict[str, list[Pending]]:
         """Under the lock: paid requests taken late join the buffer; cancelled and expired
-        ones leave it (returned by reason)."""
+        ones leave it (returned by reason). One that can no longer finish a batch here but
+        has a copy running elsewhere leaves as `TO_COPY`: the copy may still answer it in time."""
         collector = self.replica.collector
         dropped: dict[str, list[Pending]] = defaultdict(list)
         for job, raw in late_paid:
             collector.add(self.intake.pending(job, raw))
         for pending in collector.remove(set(reasons)):
             dropped[reasons[pending.id]].append(pending)
-        dropped["expired"].extend(collector.pop_expired(now_ms))
+        for pending in collector.pop_expired(now_ms):
+            dropped[TO_COPY if pending.id in copies else "expired"].append(pending)
         return dropped
 
     def _abort_gone_running(self, reasons: dict[str, str], now_ms: float) -> None:
@@ -165,11 +174,13 @@ class Loop:
             settled = r.broker.settle(
                 r.model,
                 [(held(pd).job, held(pd).message) for pd in batch],
-                [(held(pd).job, reason) for reason, group in dropped.items() for pd in group],
+                [(held(pd).job, reason) for reason, group in dropped.items() if reason != TO_COPY for pd in group],
                 claim,
                 scan_from,
                 self._running_members(batch) if scan_from is not None else (),
                 [held(pd).job for pd in rest],
+                [held(pd).job for pd in dropped.get(TO_COPY, [])],
+                r.host() if self.intake.copyable else None,
             )
         except BrokerError:
             self._keep_buffered(rest)

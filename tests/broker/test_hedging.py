@@ -43,10 +43,12 @@ def _replica(
     return Replica(config, engine, state, BrokerClock(state))
 
 
-def _admit(state: redis.Redis, messages: TaskMessages, i: int, tier: str, now_ms: float) -> p.Job:
+def _admit(
+    state: redis.Redis, messages: TaskMessages, i: int, tier: str, now_ms: float, budget_ms: float = 8_000
+) -> p.Job:
     """As admission leaves it: an owner that keeps the queue message."""
     job = p.Job(id=f"a{i}", key=f"t:r{i}", model=MODEL, prompt=f"x{i}", gateway="gw", received_ms=now_ms,
-                deadline_ms=now_ms + 8_000, tier=tier)  # fmt: skip
+                deadline_ms=now_ms + budget_ms, tier=tier)  # fmt: skip
     waiting = keys.waiting_key(MODEL, tier)  # type: ignore[arg-type]
     state.set(keys.owner_key(job.key), f"gw|{waiting}|t|{job.id}||{messages(job)}", px=20_000)
     return job
@@ -112,6 +114,34 @@ def test_a_request_buffered_behind_a_slow_batch_answers_from_another_hosts_empty
         assert quick.stats.hedged == 2  # the running one and the buffered one
     finally:
         quick.stop()
+        slow.stop()
+
+
+def test_a_buffered_request_its_replica_can_no_longer_run_in_time_is_left_to_its_copy(state: redis.Redis) -> None:
+    """Buffered behind a 1.5 s batch with 2.6 s of budget, a request cannot finish the slow
+    replica's next batch, but its copy, started at once in a 2 s batch on another host, can:
+    the slow replica lets it go with no notice, and the copy answers it."""
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    slow = _replica(state, "r-slow", "host-a", 1_500.0, "all", hand_back=False)
+    copier = _replica(state, "r-copier", "host-b", 2_000.0, "all")
+    slow.start()
+    copier.start()
+    try:
+        now = BrokerClock(state).now_ms()
+        slow.submit(_admit(state, messages, 1, "free", now))
+        assert until(lambda: slow.busy, 5)
+        slow.submit(_admit(state, messages, 2, "paid", now, budget_ms=2_600))
+        assert until(lambda: state.zcard(keys.running_key(MODEL)) == 2, 5)
+        copier.submit(_admit(state, messages, 3, "free", now))
+        assert until(lambda: copier.stats.hedged == 2, 5)
+        items: dict[str, list[dict]] = {}
+        assert until(lambda: _answers(state, items) >= 3, 8)
+        assert [(i["kind"], i["replica"]) for i in items["a2"]] == [("result", "r-copier")]
+        assert slow.stats.dropped["to_copy"] == 1 and slow.stats.dropped["expired"] == 0
+        assert state.zcard(keys.running_key(MODEL)) == 0  # what left the slow buffer left the set too
+        assert state.hget(keys.held_key("r-slow"), "a2") is None
+    finally:
+        copier.stop()
         slow.stop()
 
 

@@ -259,10 +259,10 @@ def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: re
     state.lpush(keys.queue_key(MODEL, "free"), messages(job(2, "free")))
     state.lpush(keys.queue_key(MODEL, "free", behind=True), messages(job(3, "free")))
     broker = ReplicaBroker(state, "r1", messages)
-    _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=2)
+    taken = broker.take(MODEL, [], room=0, fill=2).late
     # A paid request behind other paid keys' ones ranks as paid: it takes the first seat.
     assert [j.id for j, _raw in taken] == [f"{1:032d}", f"{2:032d}"]
-    _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=2)
+    taken = broker.take(MODEL, [], room=0, fill=2).late
     assert [j.id for j, _raw in taken] == [f"{3:032d}"]
     # Both paid lists share the paid seats: one seat a paid request may take from a free one
     # (room) and one a free request in line may take from a free one behind (behind).
@@ -271,7 +271,7 @@ def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: re
     for i in (6, 7):
         state.lpush(keys.queue_key(MODEL, "paid", behind=True), messages(job(i, "paid")))
     state.lpush(keys.queue_key(MODEL, "free"), messages(job(8, "free")))
-    _reasons, taken, _launches = broker.take(MODEL, [], room=1, behind=1, fill=0)
+    taken = broker.take(MODEL, [], room=1, behind=1, fill=0).late
     assert [j.id for j, _raw in taken] == [f"{4:032d}", f"{8:032d}"]
 
 
@@ -470,5 +470,5 @@ def test_what_a_batch_leaves_goes_back_to_the_front_of_its_queue_and_out_of_the_
     state.hset(keys.held_key("r1"), mapping={j.id: "x" for j in (soon, later, paid)})
     broker.settle(MODEL, [], [], None, handed_back=[soon, later, paid])  # earliest deadline first
     assert state.hlen(keys.held_key("r1")) == 0  # a sweep of r1 must not re-queue them again
-    _reasons, taken, _launches = broker.take(MODEL, [], room=0, fill=4)
+    taken = broker.take(MODEL, [], room=0, fill=4).late
     assert [j.id for j, _raw in taken] == [paid.id, soon.id, later.id, newer.id]  # paid list first
