@@ -365,3 +365,27 @@ def test_the_host_loss_bench_runs_each_arm_on_the_same_arrivals(tmp_path: Path) 
     assert totals["off"]["running_504"] > 0 == totals["running"]["running_504"]
     assert totals["running"]["buffered_504"] > 0 == totals["+buffered"]["buffered_504"]
     assert main(["bench", "host-loss-sim", "--replicas", "2"]) == 2  # one host: nothing to lose to
+
+
+def test_a_buffered_request_past_its_last_start_is_left_to_a_live_copy() -> None:
+    """`_drop_expired`: a request its replica can no longer run in time ends 504, unless a
+    copy of it runs on a live replica; then it leaves the buffer still waiting for the copy."""
+    from tasks.policy.collector import Pending
+
+    config = make_config(4, max_batch=16, budget_ms=600, hedge="all", host_size=2)
+    run = Simulation(config, make_workload(10, 1, seed=1))
+    group = run.groups[0]
+    holder, copier = group.replicas[0], group.replicas[2]
+    for j in (0, 1):
+        run.state[j] = WAITING
+        holder.collector.add(Pending(str(j), "free", 0.0, 300.0, j, 0.0))
+    group.num_waiting[0] += 2
+    run.hedges[0] = copier  # a copy of request 0 runs on the other host
+    run.now = 100.0  # 100 + 250 + 15 > 300: neither can finish a batch started here now
+    run._drop_expired(holder)
+    assert holder.collector.waiting == []
+    assert run.state[0] == WAITING and run.state[1] == EXPIRED
+    copier.alive = False  # a copy on a lost replica answers nothing
+    holder.collector.add(Pending("0", "free", 0.0, 300.0, 0, 0.0))
+    run._drop_expired(holder)
+    assert run.state[0] == EXPIRED
