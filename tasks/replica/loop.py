@@ -153,7 +153,8 @@ class Loop:
     def _count_dropped(self, dropped: dict[str, list[Pending]]) -> None:
         for reason, group in dropped.items():
             self.replica.stats.dropped[reason] += len(group)
-            self.replica.events.revoked(group, reason)
+            if reason != TO_COPY:  # its copy's replica reports how it ends
+                self.replica.events.revoked(group, reason)
 
     # -- settle ----------------------------------------------------------------------
 
