@@ -24,6 +24,10 @@ class SimConfig:
     max_wait_ms: float = 20.0
     pull_lead_ms: float = 40.0
     pull_early: bool = False  # PULL_EARLY: a busy replica that frees first pulls before its lead too
+    # A rule the live replicas do not have yet: an arrival goes to an idle replica already
+    # gathering a batch (its buffer not empty), not to the next idle one in the BRPOP line,
+    # so idle replicas do not split arrivals and start small batches together.
+    concentrate_idle: bool = False
     margin_ms: float = 15.0
     budget_ms: float = 540.0  # the client's deadline at the gateway (the SLO less the network)
     max_queue_paid: int = 4096

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from control.policy import admission
 from control.policy.admission import Verdict
-from control.sim.group import Group
+from control.sim.group import Group, SimReplica
 from control.sim.replica import ReplicaSide
 from control.sim.states import CANCELLED, EXPIRED, REFUSED, RUNNING, TIERS, WAITING
 
@@ -45,6 +47,8 @@ class GatewaySide(ReplicaSide):
         # the back of the line if its gate lets it then. A replica whose gate had shut hands
         # the message back to the front of the queue (`Replica._hands_back`).
         blocked = group.blocked
+        if self.config.concentrate_idle and not group.continuous:
+            self._gatherer_first(blocked)
         handed_back = False
         while blocked:
             replica = blocked[0]
@@ -76,6 +80,17 @@ class GatewaySide(ReplicaSide):
             queue.appendleft(i)
         else:
             queue.append(i)
+
+    @staticmethod
+    def _gatherer_first(blocked: deque[SimReplica]) -> None:
+        """`SimConfig.concentrate_idle`: an idle replica already gathering a batch goes to the
+        front of the BRPOP line."""
+        for k, replica in enumerate(blocked):
+            if replica.alive and not replica.busy and replica.collector.waiting:
+                if k:
+                    del blocked[k]
+                    blocked.appendleft(replica)
+                return
 
     def _admit_resent(self, group: Group, i: int) -> tuple[Verdict, int]:
         """A request sent again after a region loss: admitted on what is left of its budget."""

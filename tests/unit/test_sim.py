@@ -389,3 +389,17 @@ def test_a_buffered_request_past_its_last_start_is_left_to_a_live_copy() -> None
     holder.collector.add(Pending("0", "free", 0.0, 300.0, 0, 0.0))
     run._drop_expired(holder)
     assert run.state[0] == EXPIRED
+
+
+def test_idle_replicas_that_split_arrivals_start_small_batches_together() -> None:
+    """8 replicas of batch 64 at 30% load: with arrivals shared in turn among the idle
+    replicas (the BRPOP line), each starts a small batch, they end together, and a request
+    that arrives between their clumps waits for the next; concentrated on one that is
+    already gathering (`concentrate_idle`), batches fill and the waits end."""
+    workload = make_workload(0.3 * 8 * 64 * 4, 10, paid_fraction=0.3, seed=1)
+    queue_p99 = {}
+    for concentrate in (False, True):
+        result = simulate(make_config(8, max_batch=64, budget_ms=540, concentrate_idle=concentrate), workload)
+        ran = result.start_ms > 0
+        queue_p99[concentrate] = float(np.percentile((result.start_ms - workload.t_ms)[ran], 99))
+    assert queue_p99[False] > 150.0 and queue_p99[True] < 120.0, queue_p99
