@@ -82,9 +82,10 @@ def _one(run: Run) -> dict[str, Any]:
         "status_429": counts.get("refused_429", 0),
         "status_504": counts.get("expired_504", 0) + counts.get("late_504", 0),
         "rest_handed_back": result.stats["rest_handed_back"],
+        "mean_batch": round(result.mean_batch(), 1),
     }
     for tier, s in tiers.items():
-        out[tier] = {k: s.get(k) for k in ("p50_ms", "p99_ms", "answered_200_share")}
+        out[tier] = {k: s.get(k) for k in ("p50_ms", "p99_ms", "answered_200_share", "queue_p50_ms", "queue_p99_ms")}
     out["paid_p99_over_free_p99"] = round(tiers["paid"]["p99_ms"] / tiers["free"]["p99_ms"], 3)
     return out
 
