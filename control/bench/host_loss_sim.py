@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.table import Table
 
 from control.sim.config import SimConfig
-from control.sim.group import is_copy
 from control.sim.simulate import Simulation
 from control.sim.states import EXPIRED, LATE, REFUSED
 from control.sim.workload import make_workload
@@ -34,25 +33,12 @@ LOSS_AT_S = 5.0
 RESTART_S = 7.0
 PAID_FRACTION = 0.3
 
-# Each arm: its name, the hedging mode, and whether buffered requests are copied too.
-ARMS: tuple[tuple[str, HedgeMode, bool], ...] = (
-    ("off", "off", False),
-    ("running", "all", False),
-    ("+buffered", "all", True),
-)
-
-
-class _Watched(Simulation):
-    """Notes what the lost host's replicas held when it vanished."""
-
-    lost_running: set[int] = set()
-    lost_buffered: set[int] = set()
-
-    def _host_down(self) -> None:
-        super()._host_down()
-        lost = [r for r in self.groups[0].replicas if not r.alive]
-        self.lost_running = {p.payload for r in lost for p in r.batch if not is_copy(p)}
-        self.lost_buffered = {p.payload for r in lost for p in r.collector.waiting}
+# Each arm by its name: the hedging mode, and whether buffered requests are copied too.
+ARMS: dict[str, tuple[HedgeMode, bool]] = {
+    "off": ("off", False),
+    "running": ("all", False),
+    "+buffered": ("all", True),
+}
 
 
 class Run(NamedTuple):
@@ -68,7 +54,7 @@ class Run(NamedTuple):
 
 
 def _one(run: Run) -> dict[str, Any]:
-    _name, mode, buffered = next(arm for arm in ARMS if arm[0] == run.arm)
+    mode, buffered = ARMS[run.arm]
     config = SimConfig(
         replicas=[run.replicas],
         max_batch=run.batch,
@@ -82,7 +68,7 @@ def _one(run: Run) -> dict[str, Any]:
         detect_ms=run.detect_ms,
     )
     rate = run.load * run.replicas * run.batch * 4
-    sim = _Watched(config, make_workload(rate, run.seconds, paid_fraction=PAID_FRACTION, seed=run.seed))
+    sim = Simulation(config, make_workload(rate, run.seconds, paid_fraction=PAID_FRACTION, seed=run.seed))
     result = sim.run()
     state = result.state
     failed = set(np.flatnonzero((state == EXPIRED) | (state == LATE)).tolist())
@@ -143,7 +129,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             args.detect_ms,
         )
         for load in loads
-        for name, _mode, _buffered in ARMS
+        for name in ARMS
         for seed in range(1, args.seeds + 1)
     ]
     with get_context("fork").Pool(max(1, args.processes)) as pool:

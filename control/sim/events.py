@@ -57,6 +57,9 @@ class SimState:
         self.now = 0.0
         self.requeues: dict[int, int] = {}
         self.hedges: dict[int, SimReplica] = {}  # request -> the replica running its copy
+        # At a host loss, what its replicas were running (their own requests) and held buffered.
+        self.lost_running: set[int] = set()
+        self.lost_buffered: set[int] = set()
         self.resent: list[tuple[float, int]] = sorted(resend or [])  # heap: (time, request) sent again
         self.resent_ids.update(j for _, j in self.resent)
         self.handed_off: list[tuple[float, int]] = []

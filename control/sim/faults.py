@@ -27,6 +27,8 @@ class FaultSide(GatewaySide):
                 group.blocked.remove(replica)
         for replica in dead:  # when their leases lapse, nothing they held is copied any more
             group.lapses_at[replica.host] = self.now + self.config.lease_ms
+            self.lost_running.update(p.payload for p in replica.batch if not is_copy(p))
+            self.lost_buffered.update(p.payload for p in replica.collector.waiting)
         self._push(self.now + self.config.detect_ms, SWEEP, dead, 0)
         self._push(self.now + self.config.restart_s * 1000.0, HOST_UP, dead, 0)
 

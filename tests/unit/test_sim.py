@@ -329,23 +329,13 @@ def test_a_due_take_brings_late_paid_requests_and_fills_the_empty_seats_counting
     assert list(group.paid_queue) == [] and list(group.free_queue) == free[1:]  # no seat left for free
 
 
-class _LossWatch(Simulation):
-    """Notes what the lost host's replicas held when it vanished: running, and buffered."""
-
-    def _host_down(self) -> None:
-        super()._host_down()  # the lost replicas keep what they held until the sweep
-        lost = [r for r in self.groups[0].replicas if not r.alive]
-        self.lost_running = {p.payload for r in lost for p in r.batch if not sim_group.is_copy(p)}
-        self.lost_buffered = {p.payload for r in lost for p in r.collector.waiting}
-
-
 def test_with_hedging_what_a_lost_host_ran_or_held_answers_through_copies() -> None:
     """Two hosts of two at 35% load: every request the lost host was running, and every one
     it held buffered for its next batch, has a copy on the other host and answers; none
     ends 504. Without copies of buffered requests, those were re-queued only when the
     leases lapsed, after the survivors' next starts, and ended 504."""
     config = make_config(4, max_batch=16, budget_ms=600, hedge="all", host_size=2, host_loss_at_s=5.0, restart_s=7.0)
-    run = _LossWatch(config, make_workload(0.35 * 4 * 16 * 4, 20, paid_fraction=0.3, seed=1))
+    run = Simulation(config, make_workload(0.35 * 4 * 16 * 4, 20, paid_fraction=0.3, seed=1))
     result = run.run()
     assert run.lost_running and run.lost_buffered
     assert all(result.state[j] == OK for j in run.lost_running | run.lost_buffered)
