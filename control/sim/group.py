@@ -113,7 +113,10 @@ class Group:
         # (tasks/policy/hedging.py); kept only where hedging is on. One that left a buffer
         # unrun (dropped, cancelled) stays until a scan passes its deadline.
         self.hedging = config.hedge != "off"
-        self.hedge_buffered = config.hedge_buffered
+        # Where a request joins that list: as a replica takes it into its buffer, or (the
+        # earlier rule, `hedge_buffered` off) as its batch starts.
+        self.list_taken = self.hedging and config.hedge_buffered
+        self.list_started = self.hedging and not config.hedge_buffered
         self.lapses_at: dict[str, float] = {}  # a lost host: when its replicas' leases lapse
         self.held_by: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self.paid_queue: deque[int] = deque()
@@ -144,11 +147,9 @@ class Group:
             return None
         return SimEngine(ContinuousScheduler(self.scheduler_config), self.cost)
 
-    def held(self, pending: Pending, paid: int, host: str, started: bool = False) -> None:
-        """A replica on `host` took it into its buffer (the held hash), or `started` it
-        where buffered requests are not copied: a request to copy."""
-        if self.hedging and started != self.hedge_buffered:
-            insort(self.held_by[paid], (pending.deadline_ms, pending.payload, host))
+    def held(self, pending: Pending, paid: int, host: str) -> None:
+        """A replica on `host` holds it (`list_taken`, `list_started`): a request to copy."""
+        insort(self.held_by[paid], (pending.deadline_ms, pending.payload, host))
 
     def stopped(self, pending: Pending, paid: int) -> None:
         """It ended, went back to the queue or its replica was lost: no longer a request to copy."""

@@ -65,7 +65,8 @@ class ReplicaSide(SimState):
             if not replica.busy:  # an idle continuous replica admits at once
                 self._cycle(replica)
             return
-        replica.group.held(pending, self.paid[i], replica.host)
+        if replica.group.list_taken:
+            replica.group.held(pending, self.paid[i], replica.host)
         if not replica.busy:
             if len(collector) >= collector.config.max_batch:
                 self._try_launch(replica)
@@ -134,8 +135,9 @@ class ReplicaSide(SimState):
             self.state[j] = RUNNING
             self.start_ms[j] = now
         copies = self._hedges(replica, len(batch))
-        for pending in batch:
-            group.held(pending, self.paid[pending.payload], replica.host, started=True)
+        if group.list_started:
+            for pending in batch:
+                group.held(pending, self.paid[pending.payload], replica.host)
         batch += copies
         duration = self._batch_ms(group, batch)
         replica.batch, replica.busy = batch, True
@@ -144,7 +146,7 @@ class ReplicaSide(SimState):
         if replica.gate.early:  # what the gate knows of its peers matters only to an early pull
             replica.gate.peers(idle=self._peer_idle(replica), launches=self._peer_launches(replica))
         self.stats["batches"] += 1
-        self.stats["batch_rows"] += sum(1 for pending in batch if not is_copy(pending))
+        self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
         self._pull(replica)
 
@@ -159,7 +161,8 @@ class ReplicaSide(SimState):
             if self.state[j] == WAITING:
                 pending = Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now)
                 replica.collector.add(pending)
-                replica.group.held(pending, self.paid[j], replica.host)
+                if replica.group.list_taken:
+                    replica.group.held(pending, self.paid[j], replica.host)
         return popped
 
     def _drop_expired(self, replica: SimReplica) -> None:
