@@ -133,6 +133,11 @@ class Collector:
     def ids(self) -> list[str]:
         return [p.id for p in self.waiting]
 
+    def expiring_ids(self, now_ms: float) -> list[str]:
+        """The requests that a take at `now_ms` drops as expired (`pop_expired`)."""
+        cutoff = self.finish_cutoff_ms(now_ms)
+        return [p.id for p in self.waiting if p.deadline_ms < cutoff]
+
     def finish_cutoff_ms(self, now_ms: float) -> float:
         """The earliest deadline a request may have and still finish a batch started now."""
         return now_ms + self.config.batch_ms + self.config.margin_ms

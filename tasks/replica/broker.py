@@ -185,8 +185,8 @@ class ReplicaBroker:
         up to `fill` more of any tier, paid first, for the seats the buffer leaves empty
         (what the consumer has not pulled yet rides this batch, not the next); with
         `launches`, the peers' latest launches too (as `settle` reads them); of `copied`
-        (buffered requests, where copies may be made of them), those another replica runs
-        a copy of."""
+        (buffered requests that may expire at this take), those another replica runs a
+        copy of."""
         if not ids and not room and not behind and not fill and not launches and not copied:
             return Taken({}, [], None, set())
         pipe = self.redis.pipeline(transaction=False)
@@ -250,9 +250,9 @@ class ReplicaBroker:
         if handed_back:
             self._push_front(pipe, handed_back)
         unrun = [*handed_back, *to_copies, *(job for job, _reason in dropped)]
-        members = [self._member(job, host) for job in unrun] if host is not None else []
-        if any(members):
-            pipe.zrem(keys.running_key(model), *[m for m in members if m])
+        members = [member for job in unrun if (member := self._member(job, host))]
+        if members:
+            pipe.zrem(keys.running_key(model), *members)
         late: dict[FieldT, EncodableT] = {job.id: self._held_record(job) for job, msg in launched if msg}
         if late:
             pipe.hset(keys.held_key(self.name), mapping=late)

@@ -45,6 +45,9 @@ BROKER_DOUBT_MS = 1000.0
 # Why a buffered request left with no notice: it can no longer finish a batch here, and a
 # copy of it runs on another host's replica, which may still answer it in time.
 TO_COPY = "to_copy"
+# How far past the take's start its expiry check may fall (the round trip between): the
+# requests that may expire at the take are the ones whose copy keys it reads.
+EXPIRY_LOOKAHEAD_MS = 50.0
 
 
 class Loop:
@@ -89,14 +92,15 @@ class Loop:
         with r.cond:
             ids = r.collector.ids()
             room, behind, fill = self.policy.room() if r.is_taking() else (0, 0, 0)
+            expiring = r.collector.expiring_ids(r.clock.now_ms() + EXPIRY_LOOKAHEAD_MS) if self.intake.copyable else []
         # One round trip: cancels for the whole buffer and what runs, and requests still in
         # the queue: paid ones that would otherwise ride behind free ones already buffered
         # (and free ones in line behind buffered requests of a tenant beyond its share), and
-        # any, paid first, for the seats the buffer leaves empty.
+        # any, paid first, for the seats the buffer leaves empty; and whether a copy runs of
+        # what may expire here.
         spreads = self.policy.spreads()
-        copied = ids if self.intake.copyable else []
         reasons, late_paid, launches, copies = r.broker.take(
-            r.model, ids + list(r.joined), room, behind, fill, spreads, copied
+            r.model, ids + list(r.joined), room, behind, fill, spreads, expiring
         )
         now = r.clock.now_ms()
         self._abort_gone_running(reasons, now)

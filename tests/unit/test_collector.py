@@ -62,6 +62,7 @@ def test_requests_that_cannot_finish_in_time_are_taken_out() -> None:
     c = make_collector(margin_ms=15.0)
     c.add(make_pending(0, at=0.0, deadline=300.0))
     c.add(make_pending(1, at=0.0, deadline=600.0))
+    assert c.expiring_ids(now_ms=30.0) == [] and c.expiring_ids(now_ms=40.0) == ["r0"]  # what the take asks ahead
     late = c.pop_expired(now_ms=40.0)  # 40 + 250 + 15 > 300
     assert [p.id for p in late] == ["r0"]
     assert c.ids() == ["r1"]
