@@ -13,9 +13,6 @@ and the 429s are the survivors' load.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
 from multiprocessing import get_context
 from typing import Any, NamedTuple
 
@@ -23,6 +20,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from control.bench.report import write_sim_figures
 from control.sim.config import SimConfig
 from control.sim.simulate import Simulation
 from control.sim.states import EXPIRED, LATE, REFUSED
@@ -176,14 +174,6 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        out = {
-            "date": str(datetime.date.today()),
-            "commit": commit,
-            "args": vars(args),
-            "totals": [{"load": load, "arm": arm, **t} for (load, arm), t in totals.items()],
-            "runs": results,
-        }
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        totals_out = [{"load": load, "arm": arm, **t} for (load, arm), t in totals.items()]
+        write_sim_figures(args.json, args, totals=totals_out, runs=results)
     return 0

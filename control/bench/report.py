@@ -3,7 +3,10 @@ formatting of its cells, per-second timelines, and the logs a failed run keeps."
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -70,3 +73,12 @@ def settle_logs(report: dict) -> bool:
     for path in report["logs"]:
         os.unlink(path)
     return True
+
+
+def write_sim_figures(path: str, args: Any, **figures: Any) -> None:
+    """A simulator bench's figures as JSON: today's date, the checkout's commit and the
+    command's arguments first."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {"date": str(datetime.date.today()), "commit": commit, "args": vars(args), **figures}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)

@@ -15,15 +15,13 @@ they go side by side in `--processes` processes.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
 from multiprocessing import get_context
 from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
 
+from control.bench.report import write_sim_figures
 from control.sim.config import SimConfig
 from control.sim.simulate import simulate
 from control.sim.workload import make_workload
@@ -142,8 +140,5 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        out = {"date": str(datetime.date.today()), "commit": commit, "args": vars(args), "runs": results}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_sim_figures(args.json, args, runs=results)
     return 0
