@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -94,44 +95,44 @@ def test_an_empty_slot_on_another_host_answers_a_request_whose_own_run_is_slow(
         slow.stop()
 
 
-def test_a_request_buffered_behind_a_slow_batch_answers_from_another_hosts_empty_slot(state: redis.Redis) -> None:
+@contextmanager
+def _one_buffered(
+    state: redis.Redis, slow_ms: float, other: str, other_ms: float, budget_ms: float = 8_000
+) -> Iterator[tuple[Replica, Replica, TaskMessages, float]]:
+    """Replica r-slow on host-a runs request a1 and holds a2 (paid, `budget_ms`) buffered for
+    its next batch, recorded and in the running set; replica `other` on host-b is idle."""
     messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
     # It keeps what it takes while busy, as a pull in its lead does.
-    slow = _replica(state, "r-slow", "host-a", 3_000.0, "all", hand_back=False)
-    quick = _replica(state, "r-quick", "host-b", 100.0, "all")
+    slow = _replica(state, "r-slow", "host-a", slow_ms, "all", hand_back=False)
+    idle = _replica(state, other, "host-b", other_ms, "all")
     slow.start()
-    quick.start()
+    idle.start()
     try:
         now = BrokerClock(state).now_ms()
         slow.submit(_admit(state, messages, 1, "free", now))
         assert until(lambda: slow.busy, 5)
-        slow.submit(_admit(state, messages, 2, "paid", now))  # waits for the slow replica's next batch
+        slow.submit(_admit(state, messages, 2, "paid", now, budget_ms=budget_ms))  # waits for the next batch
         assert until(lambda: state.zcard(keys.running_key(MODEL)) == 2, 5)  # recorded: a member too
+        yield slow, idle, messages, now
+    finally:
+        idle.stop()
+        slow.stop()
+
+
+def test_a_request_buffered_behind_a_slow_batch_answers_from_another_hosts_empty_slot(state: redis.Redis) -> None:
+    with _one_buffered(state, 3_000.0, "r-quick", 100.0) as (_slow, quick, messages, now):
         quick.submit(_admit(state, messages, 3, "free", now))
         items: dict[str, list[dict]] = {}
         assert until(lambda: _answers(state, items) >= 3, 5)
         assert [i["replica"] for i in items["a2"]] == ["r-quick"] and items["a2"][0]["hedged"] is True
         assert quick.stats.hedged == 2  # the running one and the buffered one
-    finally:
-        quick.stop()
-        slow.stop()
 
 
 def test_a_buffered_request_its_replica_can_no_longer_run_in_time_is_left_to_its_copy(state: redis.Redis) -> None:
     """Buffered behind a 1.5 s batch with 2.6 s of budget, a request cannot finish the slow
     replica's next batch, but its copy, started at once in a 2 s batch on another host, can:
     the slow replica lets it go with no notice, and the copy answers it."""
-    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
-    slow = _replica(state, "r-slow", "host-a", 1_500.0, "all", hand_back=False)
-    copier = _replica(state, "r-copier", "host-b", 2_000.0, "all")
-    slow.start()
-    copier.start()
-    try:
-        now = BrokerClock(state).now_ms()
-        slow.submit(_admit(state, messages, 1, "free", now))
-        assert until(lambda: slow.busy, 5)
-        slow.submit(_admit(state, messages, 2, "paid", now, budget_ms=2_600))
-        assert until(lambda: state.zcard(keys.running_key(MODEL)) == 2, 5)
+    with _one_buffered(state, 1_500.0, "r-copier", 2_000.0, budget_ms=2_600) as (slow, copier, messages, now):
         copier.submit(_admit(state, messages, 3, "free", now))
         assert until(lambda: copier.stats.hedged == 2, 5)
         items: dict[str, list[dict]] = {}
@@ -140,9 +141,6 @@ def test_a_buffered_request_its_replica_can_no_longer_run_in_time_is_left_to_its
         assert slow.stats.dropped["to_copy"] == 1 and slow.stats.dropped["expired"] == 0
         assert state.zcard(keys.running_key(MODEL)) == 0  # what left the slow buffer left the set too
         assert state.hget(keys.held_key("r-slow"), "a2") is None
-    finally:
-        copier.stop()
-        slow.stop()
 
 
 class PoisonEngine(FixedLatencyEngine):
