@@ -7,7 +7,9 @@ leases lapse (`--lease-ms`), it is noticed `--detect-ms` later (the lease and th
 and it is back 7 s after the loss. Every arm runs the same arrivals, seed
 by seed. A request the lost host held is one it was running, or had buffered for its next
 batch, when it vanished: the 504s among them are what hedging is for; the rest of the 504s
-and the 429s are the survivors' load.
+and the 429s are the survivors' load. `--bump` plays a rule the live gateways do not have yet
+in every arm (`SimConfig.admit_bump`): free requests admitted with no room kept for paid
+ones, which bump them where they must.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Run(NamedTuple):
     seconds: float
     lease_ms: float
     detect_ms: float
+    bump: bool = False
 
 
 def _one(run: Run) -> dict[str, Any]:
@@ -64,6 +67,7 @@ def _one(run: Run) -> dict[str, Any]:
         restart_s=RESTART_S,
         lease_ms=run.lease_ms,
         detect_ms=run.detect_ms,
+        admit_bump=run.bump,
     )
     rate = run.load * run.replicas * run.batch * 4
     sim = Simulation(config, make_workload(rate, run.seconds, paid_fraction=PAID_FRACTION, seed=run.seed))
@@ -85,6 +89,7 @@ def _one(run: Run) -> dict[str, Any]:
         "buffered_504": len(failed & sim.lost_buffered),
         "hedged": result.stats.get("hedged", 0),
         "hedge_wins": result.stats.get("hedge_wins", 0),
+        "bumped": result.stats.get("bumped", 0),
     }
 
 
@@ -99,6 +104,7 @@ SUMMED = (
     "buffered_504",
     "hedged",
     "hedge_wins",
+    "bumped",
 )
 
 
@@ -125,6 +131,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             args.seconds,
             args.lease_ms,
             args.detect_ms,
+            args.bump,
         )
         for load in loads
         for name in ARMS
@@ -140,7 +147,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
     title = (
         f"A host of {args.replicas_per_host} lost, {args.replicas} x {args.max_batch}, {args.seeds} seeds summed; "
         "copies: off, of running requests, of buffered ones too"
-    )
+    ) + ("; free requests bumped by paid ones" if args.bump else "")
     table = Table(title=title)
     for col in (
         "load",
@@ -155,6 +162,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
         "504",
         "made",
         "won",
+        "bumped",
     ):
         table.add_column(col, justify="right")
     for (load, arm), t in totals.items():
@@ -171,6 +179,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             str(t["buffered_504"]),
             f"{t['hedged']:,}",
             str(t["hedge_wins"]),
+            str(t["bumped"]),
         )
     Console().print(table)
     if args.json:

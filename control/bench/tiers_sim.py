@@ -2,9 +2,11 @@
 off and on: the rest of each static batch handed back to the queue (`HAND_BACK_REST`, and
 how far urgency looks then, `SimConfig.rest_horizon`, a share of a slot), busy replicas
 pulling their next batch before their lead (`PULL_EARLY`), admission counting the
-starts the replicas' phases hold (`ADMIT_PHASED`), or arrivals going to an idle replica
+starts the replicas' phases hold (`ADMIT_PHASED`), arrivals going to an idle replica
 already gathering a batch rather than to the next idle one in line
-(`SimConfig.concentrate_idle`, a rule the live replicas do not have yet).
+(`SimConfig.concentrate_idle`), or free requests admitted with no room kept for paid ones,
+which bump them where they must (`SimConfig.admit_bump`). The last two are rules the live
+replicas and gateways do not have yet.
 
 Each case is R replicas of batch B on the fixed 250 ms backend (plus up to `--jitter-ms`,
 as batches stretch on a CPU-bound machine), 30% paid, a 600 ms budget and free-slot
@@ -39,6 +41,7 @@ class Run(NamedTuple):
     early: bool = False
     phased: bool = False
     concentrate: bool = False
+    bump: bool = False
 
 
 # Each switch's field of `Run`, and the key its arm has in a run's figures.
@@ -47,11 +50,12 @@ SWITCHES = {
     "pull-early": ("early", "pull_early"),
     "admit-phased": ("phased", "admit_phased"),
     "concentrate": ("concentrate", "concentrate_idle"),
+    "bump": ("bump", "admit_bump"),
 }
 
 
 def _one(run: Run) -> dict[str, Any]:
-    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased, concentrate = run
+    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased, concentrate, bump = run
     config = SimConfig(
         replicas=[replicas],
         max_batch=batch,
@@ -63,6 +67,7 @@ def _one(run: Run) -> dict[str, Any]:
         batch_jitter_ms=jitter,
         admit_phased=phased,
         concentrate_idle=concentrate,
+        admit_bump=bump,
     )
     result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
     tiers, counts = result.by_tier(), result.counts()
@@ -76,6 +81,8 @@ def _one(run: Run) -> dict[str, Any]:
         "batch_jitter_ms": jitter,
         "admit_phased": phased,
         "concentrate_idle": concentrate,
+        "admit_bump": bump,
+        "bumped": result.stats["bumped"],
         "ok_per_s": round(counts.get("ok", 0) / seconds, 1),
         "status_429": counts.get("refused_429", 0),
         "status_504": counts.get("expired_504", 0) + counts.get("late_504", 0),
@@ -112,9 +119,12 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
         ]
     with get_context("fork").Pool(max(1, args.processes)) as pool:
         results = pool.map(_one, runs, chunksize=1)
-    switch = {"pull-early": "pull early", "admit-phased": "admit phased", "concentrate": "concentrate idle"}.get(
-        args.switch, "hand back the rest"
-    )
+    switch = {
+        "pull-early": "pull early",
+        "admit-phased": "admit phased",
+        "concentrate": "concentrate idle",
+        "bump": "bump free",
+    }.get(args.switch, "hand back the rest")
     table = Table(title=f"Paid against free, simulated ({switch}: off / on)")
     for col in ("case", "load", switch if args.switch != "hand-back" else "horizon", "answered 200/s", "429", "504"):
         table.add_column(col, justify="right")

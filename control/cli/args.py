@@ -286,10 +286,11 @@ def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--horizons", default="0.6,0.85", help="other urgency horizons tried at 110%% and 200%%")
     p.add_argument(
         "--switch",
-        choices=["hand-back", "pull-early", "admit-phased", "concentrate"],
+        choices=["hand-back", "pull-early", "admit-phased", "concentrate", "bump"],
         default="hand-back",
-        help="what each case runs off and on: HAND_BACK_REST, PULL_EARLY, ADMIT_PHASED, or arrivals concentrated "
-        "on an idle replica already gathering (simulator only); no other horizons then",
+        help="what each case runs off and on: HAND_BACK_REST, PULL_EARLY, ADMIT_PHASED, arrivals concentrated "
+        "on an idle replica already gathering, or free requests bumped by paid ones (the last two simulator "
+        "only); no other horizons then",
     )
     p.add_argument("--jitter-ms", type=float, default=0.0, help="a batch takes 250 ms plus up to this much more")
     p.add_argument("--seconds", type=float, default=40.0, help="simulated seconds a run")
@@ -306,6 +307,9 @@ def add_host_loss_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="simulated seconds a run")
     p.add_argument("--lease-ms", type=float, default=300.0, help="a lost replica's requests are copied until then")
     p.add_argument("--detect-ms", type=float, default=400.0, help="from the loss to the sweep (lease and sweep)")
+    p.add_argument(
+        "--bump", action="store_true", help="every arm admits free requests that paid ones may bump (simulator only)"
+    )
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--json", default=None, help="write all figures here")
 

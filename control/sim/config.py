@@ -37,6 +37,10 @@ class SimConfig:
     # (read every `launch_refresh_ms`, as a gateway reads the launch list), where they hold
     # more than the worst phase does.
     admit_phased: bool = False
+    # A rule the live gateways do not have yet: a free request is admitted with no room
+    # kept for paid arrivals; a paid one waits behind paid ones only, and the first free
+    # request in the queue it would push past its last start leaves, refused 429 ("bumped").
+    admit_bump: bool = False
     launch_refresh_ms: float = 50.0
     host_size: int = 8  # replicas a host carries (a group's replicas fill hosts in turn)
     # Free-slot hedging (tasks/policy/hedging.py): a static batch's empty slots carry

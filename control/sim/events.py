@@ -64,7 +64,7 @@ class SimState:
         self.resent_ids.update(j for _, j in self.resent)
         self.handed_off: list[tuple[float, int]] = []
         counted: tuple[str, ...] = ("batches", "batch_rows", "wasted", "requeued", "resent", "moved", "events")
-        counted += ("taken_shut", "rest_handed_back", "hedged", "hedge_wins", "hedge_wasted")
+        counted += ("taken_shut", "rest_handed_back", "hedged", "hedge_wins", "hedge_wasted", "bumped")
         self.stats = dict.fromkeys(counted, 0)
         self.batch_sizes: list[int] = []
         rng = np.random.default_rng(12345)

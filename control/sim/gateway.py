@@ -35,6 +35,10 @@ class GatewaySide(ReplicaSide):
             group.demand_meter.add(now)
         waiting = group.num_waiting
         position = admission.position(TIERS[paid], waiting[1], waiting[0])
+        if paid and group.bump and verdict is _ADMIT:
+            position = waiting[1] + 1  # behind paid ones only; the free ones it delays too long leave
+            if position <= deepest:
+                self._bump(group)
         if verdict is not _ADMIT or position > deepest:
             state[i] = EXPIRED if verdict == Verdict.TOO_SHORT else REFUSED
             return
@@ -80,6 +84,26 @@ class GatewaySide(ReplicaSide):
             queue.appendleft(i)
         else:
             queue.append(i)
+
+    def _bump(self, group: Group) -> None:
+        """`SimConfig.admit_bump`: a paid request about to be admitted goes ahead of every
+        free one waiting. The first free request in the queue it would push past the last
+        start its budget allows (`admission.max_depth` of what is left) leaves, refused 429.
+        One at most: those behind it move up by as much as the paid request moves them back,
+        and those before it still fit. Free requests a replica has taken count as ahead;
+        they are not bumped. O(queue) per paid arrival."""
+        state, now, queue = self.state, self.now, group.free_queue
+        live = [j for j in queue if state[j] == WAITING]
+        position = group.num_waiting[1] + group.num_waiting[0] - len(live) + 1
+        capacity = group.capacity(now, self.config.budget_ms)
+        for j in live:
+            position += 1
+            if position > admission.max_depth(self.deadline[j] - now, capacity, group.limits):
+                queue.remove(j)
+                state[j] = REFUSED
+                group.num_waiting[0] -= 1
+                self.stats["bumped"] += 1
+                return
 
     @staticmethod
     def _gatherer_first(blocked: deque[SimReplica]) -> None:

@@ -134,6 +134,7 @@ class Group:
         # Where static replicas' starts are read (ADMIT_PHASED), when each starts next, read
         # again every `launch_refresh_ms`, as a gateway reads the launch list.
         self.admit_phased = config.admit_phased and not self.continuous
+        self.bump = config.admit_bump and not self.continuous  # `SimConfig.admit_bump`
         self.launch_refresh_ms = config.launch_refresh_ms
         self.refresh_ms = config.admission_refresh_ms
         # `Capacity.cycle_ms`: the cycle a replica measures, with jitter the batch's mean
@@ -183,7 +184,7 @@ class Group:
         self.verdict = admission.check(budget_ms, capacity, self.limits)
         self.deepest = (
             (
-                admission.max_position(FREE, budget_ms, capacity, self.limits, rate, now, demand),
+                admission.max_position(FREE, budget_ms, capacity, self.limits, 0.0 if self.bump else rate, now, demand),
                 admission.max_position(PAID, budget_ms, capacity, self.limits, rate, now, demand),
             )
             if self.verdict == Verdict.ADMIT
