@@ -278,6 +278,9 @@ def _error_for(item: object) -> tuple[int, ApiError]:
         return 503, ApiError(503, "the broker stopped answering; retry shortly", "broker_unavailable", retry_after_s=1)
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "no_replica":
         return 503, ApiError(503, "no replica serves this model right now", "no_replica", retry_after_s=1)
+    if isinstance(item, p.Cancelled) and item.reason == "bumped":  # ADMIT_BUMP: a paid request took its place
+        message = "overloaded: a paid request took its place in the queue"
+        return 429, ApiError(429, message, "overloaded", retry_after_s=1)
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason == "retried":
         return 409, ApiError(409, "a retry with the same request id took this request over", "retried")
     if isinstance(item, p.Cancelled | p.Dropped) and item.reason != "expired":

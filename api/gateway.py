@@ -34,7 +34,7 @@ from control.broker import keys, traffic
 from control.broker.envelope import TaskMessages
 from control.broker.lua import OWNER_SLACK_MS
 from control.broker.registry import FleetViews
-from control.broker.scripts import Admission, RescueOffer, TenantTerms
+from control.broker.scripts import Admission, BumpTerms, RescueOffer, TenantTerms
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.settings import Settings
@@ -316,7 +316,13 @@ class Gateway:
         paid_rate = meter.rate(now_ms) * self.settings.api_processes
         demand = cell.demand.get(job.model)
         demand_rps = demand.rate(now_ms) * self.settings.api_processes if demand is not None else None
-        return admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps)
+        bump = self._bumps(capacity)
+        return admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps, bump)
+
+    def _bumps(self, capacity: Capacity) -> bool:
+        """ADMIT_BUMP applies: static replicas serve the model (a continuous engine's seats
+        free at every step, which the script's count of slots does not follow)."""
+        return self.settings.admit_bump and capacity.join_ms <= 0
 
     def _register(self, waiter: Waiter) -> None:
         with self._lock:
@@ -339,7 +345,7 @@ class Gateway:
         depths, at_ms = cell.depth.get(job.model, (admission.Depths(), 0.0))
         if self.clock.now_ms() - at_ms > FRESH_DEPTH_MS:
             return 0
-        return admission.lane_position(job.tier, depths, behind=False)
+        return admission.lane_position(job.tier, depths, behind=False, bump=self.settings.admit_bump)
 
     def _enqueue(
         self, cell: Cell, waiter: Waiter, session_key: str | None, deepest: int, capacity: Capacity
@@ -376,6 +382,7 @@ class Gateway:
                     keeps_answer=bool(job.keep_ms),
                     gateway=self.id,
                     tenant=self._tenant_terms(job, lane, tenant, deepest, capacity, now),
+                    bump=self._bump_terms(capacity),
                 )
             except redis.exceptions.OutOfMemoryError as exc:
                 cell.health.ok()  # it answered: full (its memory limit), not down
@@ -408,7 +415,15 @@ class Gateway:
             waiter.enqueued = True
             self._count_arrival(cell, job)
         retry_ms = float(extra) if verdict == Verdict.TENANT_RATE_LIMITED else 0.0
-        return verdict, admission.lane_position(job.tier, depths, waiter.behind), retry_ms
+        return verdict, admission.lane_position(job.tier, depths, waiter.behind, self._bumps(capacity)), retry_ms
+
+    def _bump_terms(self, capacity: Capacity) -> BumpTerms | None:
+        """How the admission script tells which waiting free request a paid one would delay
+        past its last start (`admission.max_depth` of what is left of its budget)."""
+        if not self._bumps(capacity):
+            return None
+        reach = self.limits.margin_ms + capacity.slot_ms
+        return BumpTerms(capacity.interval_ms, capacity.max_batch, reach)
 
     def _count_arrival(self, cell: Cell, job: p.Job) -> None:
         field = traffic.arrival_field(job.model, job.tier)

@@ -93,6 +93,12 @@ def cancel_key(attempt: str) -> str:
     return key("cancel", attempt)
 
 
+def keyof_key(attempt: str) -> str:
+    """A free request's key by its attempt, while it may be bumped (`ADMIT_BUMP`): a paid
+    admission that bumps it cancels it under its key. Expires with its owner."""
+    return key("keyof", attempt)
+
+
 def lease_key(replica: str) -> str:
     """Exists while the replica's batching loop is alive (renewed every few 100 ms)."""
     return key("lease", replica)
@@ -188,6 +194,7 @@ LUA_KEYS: dict[str, str] = {
     "reply": _stem(reply_key),
     "owner": _stem(owner_key),
     "cancel": _stem(cancel_key),
+    "keyof": _stem(keyof_key),
     "lease": _stem(lease_key),
     "held": _stem(held_key),
     "claim": _stem(claim_key),

@@ -607,7 +607,8 @@ end
 # position counts.
 _ADMIT_DECIDE = """
 local now = tonumber(ARGV[7])
-local tenanted = ARGV[11] ~= nil
+local tenanted = ARGV[11] ~= nil and ARGV[11] ~= ''
+local bumps = ARGV[18] ~= nil and ARGV[18] ~= ''  -- ADMIT_BUMP's terms: interval ms, batch, reach ms
 local is_free = ARGV[5] == 'free'
 -- The keys named after the request's model, tier and tenant are made here, not sent.
 local request_key = KEYS[1]:sub(#K.owner + 1)
@@ -662,6 +663,9 @@ end
 -- requests are admitted only to slots the queue leaves.
 local position = paid + 1 + free
 if is_free then position = position + paid_behind end
+-- ADMIT_BUMP: a paid request waits behind paid ones only; the free ones it would delay too
+-- long leave (below).
+if bumps and not is_free then position = paid + 1 end
 if behind then position = position + (is_free and free_behind or paid_behind) end
 if behind and position > tonumber(ARGV[12]) then return {-3, paid, free, paid_behind, free_behind, ''} end
 if not behind and position > tonumber(ARGV[6]) then return {-1, paid, free, paid_behind, free_behind, ''} end
@@ -681,6 +685,26 @@ else
   redis.call('SET', KEYS[1], admitted(own, ARGV[8]), 'PX', ARGV[2])
   redis.call('ZADD', own, ARGV[3], ARGV[4])
   redis.call('LPUSH', KEYS[4], ARGV[8])
+  if bumps and is_free then redis.call('SET', K.keyof .. ARGV[4], request_key, 'PX', ARGV[2]) end
+end
+if bumps and not is_free then
+  -- The paid request goes ahead of every free one in line. The first of those (by
+  -- deadline) it pushes past the last batch start its budget allows leaves: cancelled,
+  -- 'bumped', which its gateway answers 429. One at most: the ones after it move up by
+  -- as much as the paid request moves them back. Only those whose slots hold fewer than
+  -- the line's length can be pushed too far: the range read is theirs.
+  local interval, batch, reach = tonumber(ARGV[18]), tonumber(ARGV[19]), tonumber(ARGV[20])
+  local line = paid + 1 + free
+  local horizon = now + reach + interval * math.ceil(line / batch)
+  local near = redis.call('ZRANGE', KEYS[3], live, '(' .. horizon, 'BYSCORE', 'WITHSCORES')
+  for i = 1, #near, 2 do
+    local slots = math.max(1, math.floor((tonumber(near[i + 1]) - now - reach) / interval))
+    if paid + 1 + (i + 1) / 2 > slots * batch then
+      local key = redis.call('GET', K.keyof .. near[i])
+      if key then cancel(key, 'bumped', '', near[i], nil) end
+      break
+    end
+  end
 end
 if tenanted then
   redis.call('ZADD', mine, ARGV[3], ARGV[4])

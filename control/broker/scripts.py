@@ -126,6 +126,18 @@ class TenantTerms(NamedTuple):
     stale_checks: int  # how many of the tenant's oldest entries to check are still waiting
 
 
+class BumpTerms(NamedTuple):
+    """ADMIT_BUMP: what the admission script needs to tell how many positions a waiting
+    request's deadline still allows (`admission.max_depth` of what is left of it)."""
+
+    interval_ms: float  # between batch starts, at the worst phase
+    max_batch: int
+    reach_ms: float  # a request starts by its deadline less this (the margin and a slot)
+
+
+_NO_TENANT: tuple[EncodableT, ...] = ("",) * len(TenantTerms._fields)
+
+
 class Admit:
     """Admit a request and enqueue its task message, or join the attempt in flight under
     its key, or find its stored answer: one round trip, on the gateway's hot path."""
@@ -152,6 +164,7 @@ class Admit:
         keeps_answer: bool,  # its answer is kept for retries (under its owner key)
         gateway: str,
         tenant: TenantTerms | None,
+        bump: BumpTerms | None = None,
     ) -> AdmitAnswer:
         """`owner_key` is `keys.owner_key` of the request's key: the script reads the key
         (and its tenant) from it."""
@@ -164,6 +177,10 @@ class Admit:
         ]  # fmt: skip
         if tenant is not None:
             args += tenant
+        if bump is not None:
+            if tenant is None:
+                args += _NO_TENANT
+            args += bump
         reply = self._script(names, args)
         if len(reply) == 6:
             return AdmitAnswer(_ADMISSION[reply[0]], reply[1], reply[2], reply[3], reply[4], reply[5])

@@ -130,6 +130,12 @@ class Settings(BaseSettings):
         "every 50 ms, hold before a request's last start, where they hold more than the worst phase "
         "(docs/decisions/0032)",
     )
+    admit_bump: bool = Field(
+        False,
+        description="a free request is admitted with no room kept for paid arrivals; a paid request waits behind "
+        "paid ones only, and the first free request it would push past its last batch start is answered 429 "
+        "(static replicas; docs/decisions/0034)",
+    )
     collector: Literal["native", "chord"] = Field(
         "native",
         description="native: a replica runs its batches itself; chord: each as a Celery chord (docs/decisions/0001)",

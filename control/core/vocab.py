@@ -19,7 +19,7 @@ BACKENDS: tuple[Backend, ...] = get_args(Backend)
 # expired: past its deadline; gone: the client hung up; retried: a retry on another
 # gateway took the request over; unavailable: the broker stopped answering; no_replica:
 # the model lost its last replica while the request waited.
-DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica"]
+DropReason = Literal["cancelled", "superseded", "expired", "gone", "retried", "unavailable", "no_replica", "bumped"]
 DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 # Those a replica counts in its registry entry, as `dropped_<reason>`.
 COUNTED_DROPS: tuple[DropReason, ...] = ("cancelled", "superseded", "expired", "gone")

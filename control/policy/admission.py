@@ -257,6 +257,7 @@ def max_position(
     paid_rate_rps: float = 0.0,
     now_ms: float | None = None,
     demand_rps: float | None = None,
+    bump: bool = False,
 ) -> int:
     """The deepest queue position (1-based) at which the request still fits.
 
@@ -272,7 +273,13 @@ def max_position(
     traffic instead, 8.8% of the requests ended 504 at twice capacity there, 1.6% with
     this; docs/decisions/0004). A free request that finds the queue empty is still
     admitted: an idle replica takes it now.
+
+    With `bump` (ADMIT_BUMP, static replicas) a free request leaves no room for paid
+    arrivals: a paid one admitted later bumps (429) the first free request it would push
+    past its last start instead (the admission script; docs/decisions/0034).
     """
+    if bump and capacity.join_ms <= 0:
+        paid_rate_rps = 0.0
     slots = max_slots(budget_ms, capacity, limits)
     deepest = max_depth(budget_ms, capacity, limits)
     phased = None
@@ -439,11 +446,14 @@ class LastOtherKey:
         return now_ms - other_ms > memory_ms
 
 
-def lane_position(tier: Tier, depths: Depths, behind: bool) -> int:
+def lane_position(tier: Tier, depths: Depths, behind: bool, bump: bool = False) -> int:
     """1-based queue position of a new request in its list: paid lists before free ones, a
-    tier's list of keys in line before its list of requests behind them."""
+    tier's list of keys in line before its list of requests behind them. Every request in
+    line counts for a paid one too, except with `bump` (ADMIT_BUMP), where the free ones
+    it would delay too long leave instead."""
     if tier == PAID:
-        return depths.paid + depths.free + 1 + (depths.paid_behind if behind else 0)
+        ahead = depths.paid if bump else depths.paid + depths.free
+        return ahead + 1 + (depths.paid_behind if behind else 0)
     ahead = depths.paid + depths.paid_behind + depths.free
     return ahead + 1 + (depths.free_behind if behind else 0)
 

@@ -184,8 +184,8 @@ class Group:
         self.verdict = admission.check(budget_ms, capacity, self.limits)
         self.deepest = (
             (
-                admission.max_position(FREE, budget_ms, capacity, self.limits, 0.0 if self.bump else rate, now, demand),
-                admission.max_position(PAID, budget_ms, capacity, self.limits, rate, now, demand),
+                admission.max_position(FREE, budget_ms, capacity, self.limits, rate, now, demand, self.bump),
+                admission.max_position(PAID, budget_ms, capacity, self.limits, rate, now, demand, self.bump),
             )
             if self.verdict == Verdict.ADMIT
             else (0, 0)

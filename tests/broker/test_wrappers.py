@@ -472,3 +472,53 @@ def test_what_a_batch_leaves_goes_back_to_the_front_of_its_queue_and_out_of_the_
     assert state.hlen(keys.held_key("r1")) == 0  # a sweep of r1 must not re-queue them again
     taken = broker.take(MODEL, [], room=0, fill=4).late
     assert [j.id for j, _raw in taken] == [paid.id, soon.id, later.id, newer.id]  # paid list first
+
+
+def _admit_tier(state: redis.Redis, key: str, tier: str, deadline_ms: float, deepest: int = 100) -> Admission:
+    """ADMIT_BUMP's admission: batch starts every 100 ms at the worst phase, 2 seats each,
+    and a request starts by its deadline (a reach of 0 ms): a deadline d ms away allows
+    max(1, floor(d / 100)) * 2 positions."""
+    queue = keys.queue_key(MODEL, tier)  # type: ignore[arg-type]
+    return scripts.Admit(state)(
+        owner_key=keys.owner_key(key),
+        waiting_paid=keys.waiting_key(MODEL, "paid"),
+        waiting_free=keys.waiting_key(MODEL, "free"),
+        queue=queue,
+        session=None,
+        fingerprint="",
+        ttl_ms=60_000,
+        deadline_ms=deadline_ms,
+        attempt=key.split(":")[1],
+        tier=tier,
+        deepest=deepest,
+        now_ms=NOW_MS,
+        message=f'{{"properties":{{"priority":0,"correlation_id":"{key}"}}}}',
+        keeps_answer=False,
+        gateway="gw-a",
+        tenant=None,
+        bump=scripts.BumpTerms(interval_ms=100.0, max_batch=2, reach_ms=0.0),
+    ).status
+
+
+def test_a_paid_admission_bumps_the_first_free_request_it_would_push_past_its_last_start(state: redis.Redis) -> None:
+    free_set = keys.waiting_key(MODEL, "free")
+    for key, after_ms in (("acme:f1", 250), ("acme:f2", 260), ("acme:f3", 450)):  # 4, 4 and 8 positions
+        assert _admit_tier(state, key, "free", NOW_MS + after_ms) == Admission.ADMITTED
+    # A paid request waits behind paid ones only: admitted at position 1 of 1 with 3 free waiting.
+    assert _admit_tier(state, "acme:p1", "paid", NOW_MS + 600, deepest=1) == Admission.ADMITTED
+    assert _admit_tier(state, "acme:p2", "paid", NOW_MS + 600) == Admission.ADMITTED  # f2 at 4 of 4
+    assert state.zcard(free_set) == 3 and not state.exists(keys.cancel_key("f1"), keys.cancel_key("f2"))
+    # The third would put f2 at 5 of 4: f2 leaves, not f3 (the newest, with room to spare) nor f1 (at 4 of 4).
+    assert _admit_tier(state, "acme:p3", "paid", NOW_MS + 600) == Admission.ADMITTED
+    assert state.get(keys.cancel_key("f2")) == b"bumped"
+    assert not state.exists(keys.owner_key("acme:f2"))
+    assert [m.decode() for m in state.zrange(free_set, 0, -1)] == ["f1", "f3"]
+    notice = json.loads(state.lindex(keys.reply_key("gw-a"), -1))  # type: ignore[arg-type]
+    assert notice["items"] == [{"kind": "cancelled", "id": "f2", "reason": "bumped"}]
+    # The fourth would put f1 at 5 of 4; f3 is then at 6 of 8.
+    assert _admit_tier(state, "acme:p4", "paid", NOW_MS + 600) == Admission.ADMITTED
+    assert [m.decode() for m in state.zrange(free_set, 0, -1)] == ["f3"]
+    assert state.get(keys.cancel_key("f1")) == b"bumped"
+    # A free request's own admission bumps nothing, and counts every request ahead.
+    assert _admit_tier(state, "acme:f4", "free", NOW_MS + 450, deepest=5) == Admission.TOO_DEEP
+    assert state.zcard(free_set) == 1 and state.exists(keys.keyof_key("f3"))

@@ -39,6 +39,26 @@ def test_paid_keeps_its_latency_and_free_is_shed_at_twice_capacity() -> None:
     assert free["p99_429_ms"] < 200
 
 
+def test_with_bumps_free_requests_fill_the_queue_and_paid_ones_bump_those_they_would_delay_too_long() -> None:
+    """ADMIT_BUMP at twice capacity: free requests are admitted with no room kept for paid
+    ones, so paid ones arriving later bump some of them. A bumped request is answered 429
+    `overloaded` once it is bumped, after it waited, where a refusal comes at once; paid
+    requests keep their answers and nothing ends 504 for want of a start."""
+    with deployment(max_batch="16", admit_bump="true") as kb:
+        spec = LoadSpec(kb.url, 256.0, 6.0, MODEL, paid_share=0.3, paid_key=PAID_KEY, free_key=FREE_KEY, seed=7)
+        records = generate(spec, show_progress=False)
+    summary = summarize(records)
+    steady = summarize([r for r in records if r.sent_s >= 1.0])
+    why = f"paid {summary['paid']['codes']}; free {summary['free']['codes']}"
+    assert summary["all"]["no_answer"] == 0, why
+    assert steady["paid"]["ok_share"] >= 0.98, why
+    refused = [r for r in records if r.status == 429]
+    assert refused and all(r.code in ("overloaded", "tenant_queue_full") for r in refused), why
+    bumped = [r for r in refused if r.tier != PAID and r.code == "overloaded" and r.latency_ms > 100]
+    assert len(bumped) > 10, sorted(round(r.latency_ms) for r in refused)[-20:]
+    assert steady["all"]["codes"].get(504, 0) <= 0.01 * steady["all"]["sent"], why
+
+
 def test_a_full_queue_answers_429_with_retry_after_at_once() -> None:
     with deployment(max_queue_free="1") as kb:
         with ThreadPoolExecutor(6) as pool:

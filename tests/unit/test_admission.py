@@ -217,6 +217,20 @@ def test_a_position_in_line_is_the_lane_position_without_the_lists_behind(tier: 
         assert admission.position(tier, paid, free) == lane
 
 
+def test_with_bumps_a_free_request_keeps_no_room_for_paid_ones_and_a_paid_one_counts_paid_ones_only() -> None:
+    rate = 200.0  # paid requests a second: a reserve of many positions without bumps
+    kept = max_position(FREE, 600.0, CAP, LIMITS, rate)
+    assert kept < max_position(FREE, 600.0, CAP, LIMITS, rate, bump=True) == max_position(PAID, 600.0, CAP, LIMITS)
+    depths = admission.Depths(paid=3, free=40)
+    assert admission.lane_position(PAID, depths, behind=False, bump=True) == 4
+    assert admission.lane_position(PAID, depths, behind=False) == 44
+    assert admission.lane_position(FREE, depths, behind=False, bump=True) == 44
+    continuous = replace(CAP, join_ms=25.0)  # seats free at every step: no bumps, the reserve stays
+    assert max_position(FREE, 600.0, continuous, LIMITS, rate, bump=True) == max_position(
+        FREE, 600.0, continuous, LIMITS, rate
+    )
+
+
 # -- the replicas' phases (ADMIT_PHASED) ------------------------------------------------------
 
 
