@@ -99,6 +99,18 @@ def keyof_key(attempt: str) -> str:
     return key("keyof", attempt)
 
 
+def listener_key(model: str) -> str:
+    """SINGLE_LISTENER: the name of the one idle replica of a model that waits on its queue
+    now (expires unless renewed: a holder that dies loses it)."""
+    return key("listener", model)
+
+
+def listener_turn_key(model: str) -> str:
+    """A list the model's other idle replicas block on (BLPOP) for the listener's turn: its
+    holder pushes one item when its batch starts."""
+    return key("listener", model, "turn")
+
+
 def lease_key(replica: str) -> str:
     """Exists while the replica's batching loop is alive (renewed every few 100 ms)."""
     return key("lease", replica)

@@ -813,6 +813,23 @@ return out
 """
 )
 
+# SINGLE_LISTENER: the holder of a model's listener token keeps it (renews it) or hands it
+# on, only while it is its own. KEYS: the token, the turn list; ARGV: the replica, the
+# token's ms (renew), or '' (hand on: the token goes, and one item in the turn list wakes
+# one idle replica blocked on it; the list keeps at most that one). Returns 1 if it held it.
+LISTENER_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+redis.call('DEL', KEYS[1])
+redis.call('LPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], 0, 0)
+redis.call('PEXPIRE', KEYS[2], 1000)
+return 1
+"""
+
 # Every script by its name (the broker bench names EVALSHA calls by these).
 SOURCES = {
     "ADMIT": ADMIT_LUA,
@@ -826,5 +843,6 @@ SOURCES = {
     "RESCUE": RESCUE_LUA,
     "TAKE_QUEUED": TAKE_QUEUED_LUA,
     "HEDGE": HEDGE_LUA,
+    "LISTENER": LISTENER_LUA,
     "SUPERSEDE": SUPERSEDE_LUA,
 }

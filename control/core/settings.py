@@ -136,6 +136,12 @@ class Settings(BaseSettings):
         "paid ones only, and the first free request it would push past its last batch start is answered 429 "
         "(static replicas; docs/decisions/0034)",
     )
+    single_listener: bool = Field(
+        False,
+        description="at most one idle replica of a model waits on its queue at a time, and hands that turn on "
+        "when its batch starts, so idle replicas do not split arrivals into small batches that start together "
+        "(static batching, native collector; docs/decisions/0033)",
+    )
     collector: Literal["native", "chord"] = Field(
         "native",
         description="native: a replica runs its batches itself; chord: each as a Celery chord (docs/decisions/0001)",

@@ -41,6 +41,9 @@ class PullGate:
     holding: bool = False  # idle, its next batch held back to spread the starts: it pulls one batch
     early: bool = False  # busy, it pulls before `lead_ms` too where no busy peer frees first (PULL_EARLY)
     stopping: bool = False
+    # SINGLE_LISTENER: idle with nothing gathered, it pulls only while it holds its model's
+    # listener token (another idle replica listens otherwise); busy ones pull from their lead.
+    listens: bool = True
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise
     peer_launches: list[float] = field(default_factory=list)  # when the model's other replicas last started
@@ -72,6 +75,8 @@ class PullGate:
         if self.stopping:
             return False
         if not self.busy:
+            if not buffered and not self.listens:
+                return False
             return buffered < (1 if self.holding else 2) * self.max_batch
         if buffered >= self.max_batch:
             return False

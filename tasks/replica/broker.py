@@ -21,7 +21,7 @@ from redis.typing import EncodableT, FieldT
 from control.broker import keys, records, scripts, traffic
 from control.broker.envelope import job_from_message
 from control.broker.leases import release_replica
-from control.broker.lua import TAKE_QUEUED_LUA
+from control.broker.lua import LISTENER_LUA, TAKE_QUEUED_LUA
 from control.core import protocol as p
 from control.core.vocab import FREE, PAID
 
@@ -82,6 +82,7 @@ class ReplicaBroker:
         self._stream = scripts.Stream(client)
         self._take_queued = client.register_script(TAKE_QUEUED_LUA)
         self._hedge = scripts.Hedge(client)
+        self._listener = client.register_script(LISTENER_LUA)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -103,6 +104,24 @@ class ReplicaBroker:
         pipe.zrem(keys.idle_key(model), self.name)
         pipe.zrem(keys.launch_key(model), self.name)
         pipe.execute()
+
+    # -- the listener's turn (SINGLE_LISTENER) ------------------------------------------
+
+    def take_listener(self, model: str, ttl_ms: int) -> bool:
+        """The model's listener token, if no other replica holds it."""
+        return bool(self.redis.set(keys.listener_key(model), self.name, nx=True, px=ttl_ms))
+
+    def renew_listener(self, model: str, ttl_ms: int) -> bool:
+        """Keep the token another `ttl_ms`; False: it is not this replica's any more."""
+        return bool(self._listener([keys.listener_key(model), keys.listener_turn_key(model)], [self.name, ttl_ms]))
+
+    def hand_on_listener(self, model: str) -> None:
+        """Give the token up and wake one idle replica waiting for it."""
+        self._listener([keys.listener_key(model), keys.listener_turn_key(model)], [self.name, ""])
+
+    def await_listener(self, model: str, timeout_s: float) -> None:
+        """Block until a holder hands the token on, or `timeout_s` passes."""
+        self.redis.blpop([keys.listener_turn_key(model)], timeout=timeout_s)
 
     # -- intake: the held hash and the queue --------------------------------------
 

@@ -210,6 +210,7 @@ class StaticPolicy:
         if batch:  # it starts when the engine frees
             r.gate.start(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
             r.batch_started = monotonic_ms()
+            r.turn.set()
         return batch
 
     def pop_rest(self, batch: list[Pending]) -> list[Pending]:
@@ -257,6 +258,7 @@ class StaticPolicy:
             self.loop.in_hand = []
             if last:
                 r.busy = False
+                r.turn.set()
             r.wake()
             r.events.succeeded(ran.batch, (ran.end_ms - ran.start_ms) / 1000.0)
 

@@ -18,6 +18,7 @@ from tasks.replica import heartbeat
 from tasks.replica.broker import BrokerError
 from tasks.replica.core import ReplicaCore
 from tasks.replica.intake import Intake
+from tasks.replica.listener import Listener
 from tasks.replica.loop import Loop
 from tasks.replica.operations import Operations
 
@@ -32,6 +33,7 @@ class Replica(ReplicaCore):
         self._batching = threading.Thread(target=self.loop.run, name=f"batching-{self.name}", daemon=True)
         self.loop_thread = self._batching
         self._beat = threading.Thread(target=heartbeat.beat, args=(self,), name=f"heartbeat-{self.name}", daemon=True)
+        self.listener = Listener(self)
 
     def start(self) -> None:
         self._take_over_name()
@@ -42,6 +44,7 @@ class Replica(ReplicaCore):
         self._batching.start()
         self._beat.start()
         self.intake.recorder.start()
+        self.listener.start()
 
     def _take_over_name(self) -> None:
         """A replica restarted under its old name first re-queues what the old one held
@@ -63,6 +66,7 @@ class Replica(ReplicaCore):
             self.cond.notify_all()
         self._batching.join(timeout_s)
         self.stopped.set()
+        self.listener.stop(timeout_s)
         self._beat.join(timeout_s)
         self.intake.recorder.join(timeout_s)
         try:

@@ -70,6 +70,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         max_clock_error_ms=s.max_clock_error_ms,
         hand_back=s.hand_back_pulls,
         hand_back_rest=s.hand_back_rest,
+        single_listener=s.single_listener and s.collector == "native",
         host=s.host,
         hedge=s.hedge,
     )

@@ -24,10 +24,12 @@ def busy_replicas(kb: Deployment, n: int = 2) -> list:
     state = redis.Redis.from_url(kb.system.redis_url)
     since = _broker_ms(state)
     pool = ThreadPoolExecutor(n)
-    futures = [pool.submit(kb.post, {"model": MODEL, "prompt": f"busy {i}"}) for i in range(n)]
-    launched = until(lambda: state.zcount(keys.launch_key(MODEL), since, "+inf") >= n, 5, every_s=0.005)
+    futures = []
+    for i in range(n):  # one at a time: idle replicas may leave arrivals to one (SINGLE_LISTENER)
+        futures.append(pool.submit(kb.post, {"model": MODEL, "prompt": f"busy {i}"}))
+        launched = until(lambda k=i + 1: state.zcount(keys.launch_key(MODEL), since, "+inf") >= k, 5, every_s=0.002)
+        assert launched, "not busy"
     state.close()
-    assert launched, "not busy"
     return futures
 
 

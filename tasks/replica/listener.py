@@ -1,0 +1,103 @@
+"""SINGLE_LISTENER: at most one idle replica of a model waits on the model's queue.
+
+Idle replicas that all wait on the queue share its arrivals in turn (the broker hands
+each to the consumer that has waited longest). Each starts a small batch `max_wait` after
+its first request, and they start and end together (docs/decisions/0033). Here an idle
+replica with nothing gathered pulls only while it holds its model's listener token. The
+holder keeps the token while it gathers, so every arrival reaches it. It hands the token
+on when its batch starts, and one idle replica blocked on the turn list takes it. Busy
+replicas pull from their lead as before (`PullGate`).
+
+A holder that dies loses the token when it expires (`TOKEN_MS`); the waiting replicas
+try to take it every `WAIT_S`. While no one holds it, arrivals wait for the next holder
+or for a busy replica's lead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from tasks.replica.broker import BrokerError
+
+if TYPE_CHECKING:
+    from tasks.replica.core import ReplicaCore
+
+log = logging.getLogger(__name__)
+
+TOKEN_MS = 150  # the token lapses this long after its holder's last renewal
+RENEW_S = 0.05  # how often the holder renews it
+WAIT_S = 0.1  # how long a waiting replica blocks on the turn list before it tries the token again
+AWAY_S = 0.5  # after a broker error, or while the replica takes no work
+
+
+class Listener:
+    """The thread that takes, keeps and hands on the replica's turn to listen."""
+
+    def __init__(self, replica: ReplicaCore) -> None:
+        self.replica = replica
+        self.enabled = replica.config.single_listener and not replica.engine.continuous
+        replica.gate.listens = not self.enabled
+        self.changed = replica.turn  # a batch started or ended, or the replica stops
+        self._held = ""  # the model whose token this replica holds
+        self.thread = threading.Thread(target=self._run, name=f"listener-{replica.name}", daemon=True)
+
+    def start(self) -> None:
+        if self.enabled:
+            self.thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        if self.enabled:
+            self.changed.set()
+            self.thread.join(timeout_s)
+
+    def _run(self) -> None:
+        r = self.replica
+        while not r.stopped.is_set() and not r.stopping:
+            self.changed.clear()
+            try:
+                self._turn()
+            except BrokerError:
+                log.warning("listener token: the broker did not answer")
+                self._lost()
+                self.changed.wait(AWAY_S)
+        self._hand_on()
+
+    def _turn(self) -> None:
+        """One step: hand the token on (a batch started, the model changed, the replica
+        takes no work), keep it, or wait for it."""
+        r = self.replica
+        if self._held and (r.busy or self._held != r.model or not r.is_taking()):
+            self._hand_on()
+            return
+        if not r.is_taking() or r.busy:
+            self.changed.wait(AWAY_S if not r.is_taking() else 1.0)
+            return
+        if self._held:
+            if not r.broker.renew_listener(self._held, TOKEN_MS):
+                self._lost()
+                return
+            self.changed.wait(RENEW_S)
+            return
+        model = r.model
+        if r.broker.take_listener(model, TOKEN_MS):
+            self._held = model
+            r.gate.listens = True
+            r.wake()  # the consumer asks the gate again
+            return
+        r.broker.await_listener(model, WAIT_S)
+
+    def _hand_on(self) -> None:
+        held, self._held = self._held, ""
+        self.replica.gate.listens = False
+        if not held:
+            return
+        try:
+            self.replica.broker.hand_on_listener(held)
+        except BrokerError:
+            log.warning("could not hand the listener token on: it lapses in %d ms", TOKEN_MS)
+
+    def _lost(self) -> None:
+        self._held = ""
+        self.replica.gate.listens = False

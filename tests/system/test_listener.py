@@ -1,0 +1,73 @@
+"""SINGLE_LISTENER on a real deployment: idle replicas leave a burst to the one that holds
+the listener token, instead of sharing it out in small batches that start together."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from control.broker import keys
+from tests.support.deploy import MODEL, Deployment, deployment, replica_for
+from tests.support.waiting import until
+
+BURST = 8
+
+
+def _burst(kb: Deployment, state: redis.Redis, single: bool) -> list[int]:
+    """Batch sizes of a burst sent while every replica is idle (with the listener token
+    held: one idle replica waits on the queue)."""
+    if single:
+        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
+    with ThreadPoolExecutor(BURST) as pool:
+        answers = list(pool.map(lambda i: kb.post({"model": MODEL, "prompt": f"b{i}", "max_tokens": 4}), range(BURST)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    sizes: dict[str, int] = {}
+    for a in answers:
+        meta = a.json()["keybatch"]
+        sizes[meta["replica"]] = meta["batch_size"]
+    return sorted(sizes.values(), reverse=True)
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single-listener", "every-idle-replica"])
+def test_a_burst_on_idle_replicas_goes_to_the_one_that_listens(single: bool) -> None:
+    with deployment(workers=4, max_batch="16", hedge="off", single_listener=str(single).lower()) as kb:
+        state = redis.Redis.from_url(kb.system.redis_url)
+        bursts = [_burst(kb, state, single) for _ in range(3)]
+    largest = [sizes[0] for sizes in bursts]
+    if single:
+        # The holder gathers the burst for max_wait (20 ms): most of it, or all, rides its batch.
+        assert min(largest) >= BURST // 2 + 1, bursts
+    else:
+        # Four idle replicas share the burst in turn: none gets more than half of it.
+        assert max(largest) <= BURST // 2, bursts
+
+
+def test_a_listener_that_stops_without_a_word_loses_its_turn_to_another_idle_replica() -> None:
+    """The token's holder is stopped (SIGSTOP: no exit, no signal to anyone): its token
+    lapses, another idle replica takes it, and requests are answered by the others. Its
+    outstanding pull may take one request with it, which comes back once its lease
+    lapses (the failover tests), so the deadline here is generous."""
+    with deployment(workers=3, max_batch="16", hedge="off", single_listener="true") as kb:
+        state = redis.Redis.from_url(kb.system.redis_url)
+        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
+        holder = state.get(keys.listener_key(MODEL))
+        assert holder is not None
+        victim = next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            # Another idle replica holds the token once the stopped one's lapses (150 ms).
+            assert until(lambda: state.get(keys.listener_key(MODEL)) not in (None, holder), 3, 0.005)
+            with ThreadPoolExecutor(6) as pool:
+                answers = list(
+                    pool.map(
+                        lambda i: kb.post({"model": MODEL, "prompt": f"s{i}"}, **{"X-Deadline-Ms": "10000"}), range(6)
+                    )
+                )
+        finally:
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(5)
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
+        assert holder.decode() not in {a.json()["keybatch"]["replica"] for a in answers}
