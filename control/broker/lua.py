@@ -817,7 +817,9 @@ return out
 # on, only while it is its own. KEYS: the token, the turn list; ARGV: the replica, the
 # token's ms (renew), or '' (hand on: the token goes, and one item in the turn list wakes
 # one idle replica blocked on it; the list keeps at most that one). Returns 1 if it held it.
-LISTENER_LUA = """
+LISTENER_LUA = (
+    PRELUDE
+    + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[2] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -829,6 +831,7 @@ redis.call('LTRIM', KEYS[2], 0, 0)
 redis.call('PEXPIRE', KEYS[2], 1000)
 return 1
 """
+)
 
 # Every script by its name (the broker bench names EVALSHA calls by these).
 SOURCES = {

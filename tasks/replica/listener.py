@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TOKEN_MS = 150  # the token lapses this long after its holder's last renewal
-RENEW_S = 0.05  # how often the holder renews it
-WAIT_S = 0.1  # how long a waiting replica blocks on the turn list before it tries the token again
+TOKEN_MS = 80  # the token lapses this long after its holder's last renewal
+RENEW_S = 0.025  # how often the holder renews it
+WAIT_S = 0.04  # how long a waiting replica blocks on the turn list before it tries the token again
 AWAY_S = 0.5  # after a broker error, or while the replica takes no work
 
 

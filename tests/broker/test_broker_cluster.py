@@ -120,6 +120,7 @@ class Scripts:
         self.take_queued = strict(lua.TAKE_QUEUED_LUA)
         self.hedge = strict(lua.HEDGE_LUA)
         self.supersede = strict(lua.SUPERSEDE_LUA)
+        self.listener = strict(lua.LISTENER_LUA)
 
 
 def _admit(
@@ -166,7 +167,7 @@ def _now_ms(client: RedisCluster) -> float:
 def test_the_scripts_here_are_all_the_projects_scripts() -> None:
     assert set(lua.SOURCES) == {
         "ADMIT", "CANCEL", "RECORD", "CLAIM", "DELIVER", "STREAM", "SWEEP_ONE", "SWEEP_DEAD", "RESCUE",
-        "TAKE_QUEUED", "HEDGE", "SUPERSEDE",
+        "TAKE_QUEUED", "HEDGE", "SUPERSEDE", "LISTENER",
     }  # fmt: skip  # a new script joins Scripts and the test below
 
 
@@ -269,6 +270,19 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     assert _admit(s, "t:h", "att-h", "gw-1", session="t:s2")[0] == 1
     assert s.supersede(keys=[keys.session_key("t:s2")], args=["t:h2", 60_000]) == 1
     assert cluster.get(keys.cancel_key("att-h")) == b"superseded"
+    # ADMIT_BUMP: a free request in line, then a paid one that pushes it past its last start.
+    free = ["", 60_000, now + 150, "att-i", "free", 100, now, "MSG-att-i", "", "gw-1", *[""] * 7, 100, 1, 0]
+    free_keys = [keys.owner_key("t:i"), keys.waiting_key(MODEL, "paid"), keys.waiting_key(MODEL, "free")]
+    assert s.admit(keys=[*free_keys, keys.queue_key(MODEL, "free")], args=free)[0] == 1
+    paid = ["", 60_000, now + 600, "att-j", "paid", 100, now, "MSG-att-j", "", "gw-1", *[""] * 7, 100, 1, 0]
+    assert s.admit(keys=[keys.owner_key("t:j"), *free_keys[1:], keys.queue_key(MODEL, "paid")], args=paid)[0] == 1
+    assert cluster.get(keys.cancel_key("att-i")) == b"bumped"
+    # SINGLE_LISTENER: the holder renews its token, then hands it on to the turn list.
+    listener = [keys.listener_key(MODEL), keys.listener_turn_key(MODEL)]
+    cluster.set(listener[0], "r1", px=60_000)
+    assert s.listener(keys=listener, args=["r1", 80]) == 1
+    assert s.listener(keys=listener, args=["r1", ""]) == 1
+    assert cluster.llen(listener[1]) == 1
 
     # Everything those scripts wrote sits in the one slot of the tag, on one shard.
     slot = cluster.keyslot(p.HASH_TAG)
