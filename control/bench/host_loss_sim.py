@@ -7,9 +7,9 @@ leases lapse (`--lease-ms`), it is noticed `--detect-ms` later (the lease and th
 and it is back 7 s after the loss. Every arm runs the same arrivals, seed
 by seed. A request the lost host held is one it was running, or had buffered for its next
 batch, when it vanished: the 504s among them are what hedging is for; the rest of the 504s
-and the 429s are the survivors' load. `--bump` plays a rule the live gateways do not have yet
-in every arm (`SimConfig.admit_bump`): free requests admitted with no room kept for paid
-ones, which bump them where they must.
+and the 429s are the survivors' load. `--bump` plays `ADMIT_BUMP` in every arm
+(`SimConfig.admit_bump`): free requests admitted with no room kept for paid ones, which
+bump them where they must.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ how far urgency looks then, `SimConfig.rest_horizon`, a share of a slot), busy r
 pulling their next batch before their lead (`PULL_EARLY`), admission counting the
 starts the replicas' phases hold (`ADMIT_PHASED`), arrivals going to an idle replica
 already gathering a batch rather than to the next idle one in line
-(`SimConfig.concentrate_idle`), or free requests admitted with no room kept for paid ones,
-which bump them where they must (`SimConfig.admit_bump`). The last two are rules the live
-replicas and gateways do not have yet.
+(`SINGLE_LISTENER`, `SimConfig.concentrate_idle`), or free requests admitted with no room
+kept for paid ones, which bump them where they must (`ADMIT_BUMP`, `SimConfig.admit_bump`).
 
 Each case is R replicas of batch B on the fixed 250 ms backend (plus up to `--jitter-ms`,
 as batches stretch on a CPU-bound machine), 30% paid, a 600 ms budget and free-slot

@@ -289,8 +289,8 @@ def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
         choices=["hand-back", "pull-early", "admit-phased", "concentrate", "bump"],
         default="hand-back",
         help="what each case runs off and on: HAND_BACK_REST, PULL_EARLY, ADMIT_PHASED, arrivals concentrated "
-        "on an idle replica already gathering, or free requests bumped by paid ones (the last two simulator "
-        "only); no other horizons then",
+        "on an idle replica already gathering (SINGLE_LISTENER), or free requests bumped by paid ones "
+        "(ADMIT_BUMP); no other horizons then",
     )
     p.add_argument("--jitter-ms", type=float, default=0.0, help="a batch takes 250 ms plus up to this much more")
     p.add_argument("--seconds", type=float, default=40.0, help="simulated seconds a run")

@@ -59,6 +59,7 @@ class Inputs:
     host_size: int = 8  # replicas a host carries
     tier_loads: tuple[float, ...] = ()  # also paid and free latency at these shares of a region's capacity
     stagger_saturated: bool = True  # simulated replicas stagger full batches as live ones do (SimConfig)
+    single_listener: bool = False  # idle replicas leave arrivals to one gathering (SINGLE_LISTENER)
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
@@ -207,6 +208,7 @@ def sim_config(inputs: Inputs, replicas: list[int], models: list[str], regions: 
         max_queue_paid=inputs.max_queue_paid,
         max_queue_free=inputs.max_queue_free,
         stagger_saturated=inputs.stagger_saturated,
+        concentrate_idle=inputs.single_listener,
     )
 
 

@@ -68,6 +68,13 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="simulated replicas delay a full batch by a gap after a peer's start, as live ones do (the default)",
     )
+    parser.add_argument(
+        "--single-listener",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="one idle replica of a model waits on its queue at a time, as live (SINGLE_LISTENER); off, as the "
+        "stored capacity figures were made",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="F.png", help="p99 against replicas and load")
@@ -103,6 +110,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             host_size=args.host_size,
             tier_loads=tuple(float(x) for x in args.tiers_by_load.split(",") if x.strip()),
             stagger_saturated=args.stagger_saturated,
+            single_listener=args.single_listener,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)

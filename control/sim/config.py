@@ -24,9 +24,10 @@ class SimConfig:
     max_wait_ms: float = 20.0
     pull_lead_ms: float = 40.0
     pull_early: bool = False  # PULL_EARLY: a busy replica that frees first pulls before its lead too
-    # A rule the live replicas do not have yet: an arrival goes to an idle replica already
-    # gathering a batch (its buffer not empty), not to the next idle one in the BRPOP line,
-    # so idle replicas do not split arrivals and start small batches together.
+    # SINGLE_LISTENER: an arrival goes to an idle replica already gathering a batch (its
+    # buffer not empty), not to the next idle one in the BRPOP line, so idle replicas do
+    # not split arrivals and start small batches together (live, the one idle replica that
+    # holds the model's listener token waits on the queue, and hands it on at its start).
     concentrate_idle: bool = False
     margin_ms: float = 15.0
     budget_ms: float = 540.0  # the client's deadline at the gateway (the SLO less the network)
@@ -37,9 +38,9 @@ class SimConfig:
     # (read every `launch_refresh_ms`, as a gateway reads the launch list), where they hold
     # more than the worst phase does.
     admit_phased: bool = False
-    # A rule the live gateways do not have yet: a free request is admitted with no room
-    # kept for paid arrivals; a paid one waits behind paid ones only, and the first free
-    # request in the queue it would push past its last start leaves, refused 429 ("bumped").
+    # ADMIT_BUMP: a free request is admitted with no room kept for paid arrivals; a paid one
+    # waits behind paid ones only, and the first free request in the queue it would push
+    # past its last start leaves, refused 429 ("bumped").
     admit_bump: bool = False
     launch_refresh_ms: float = 50.0
     host_size: int = 8  # replicas a host carries (a group's replicas fill hosts in turn)
