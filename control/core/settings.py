@@ -137,7 +137,7 @@ class Settings(BaseSettings):
         "(static replicas; docs/decisions/0034)",
     )
     single_listener: bool = Field(
-        False,
+        True,
         description="at most one idle replica of a model waits on its queue at a time, and hands that turn on "
         "when its batch starts, so idle replicas do not split arrivals into small batches that start together "
         "(static batching, native collector; docs/decisions/0033)",
