@@ -109,6 +109,8 @@ class ReplicaCore:
 
     @busy.setter
     def busy(self, value: bool) -> None:
+        if self.gate.busy != value:  # however it ended (a batch claimed elsewhere, a failed take)
+            self.turn.set()
         self.gate.busy = value
 
     def wants_messages(self) -> bool:
@@ -201,6 +203,7 @@ class ReplicaCore:
             self.state = transition(self.state, wanted)
             self.quiet_since = None
             self.cond.notify_all()
+        self.turn.set()  # drained, resumed or moved: the listener's turn may change
         try:
             self.publish_state()
         except BrokerError:

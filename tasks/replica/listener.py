@@ -54,25 +54,36 @@ class Listener:
 
     def _run(self) -> None:
         r = self.replica
+        failures = 0
         while not r.stopped.is_set() and not r.stopping:
             self.changed.clear()
             try:
                 self._turn()
-            except BrokerError:
-                log.warning("listener token: the broker did not answer")
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one turn
+                if isinstance(exc, BrokerError):
+                    log.warning("listener token: the broker did not answer")
+                else:
+                    log.exception("listener token")
                 self._lost()
-                self.changed.wait(AWAY_S)
+                failures += 1
+                # One blip (every idle replica sees it at once) costs a retry's wait, not AWAY_S.
+                self.changed.wait(WAIT_S if failures == 1 else AWAY_S)
         self._hand_on()
 
     def _turn(self) -> None:
         """One step: hand the token on (a batch started, the model changed, the replica
         takes no work), keep it, or wait for it."""
         r = self.replica
-        if self._held and (r.busy or self._held != r.model or not r.is_taking()):
-            self._hand_on()
+        full = len(r.collector) >= r.collector.config.max_batch  # read without the lock: a hint
+        if self._held and (r.busy or full or self._held != r.model or not r.is_taking()):
+            self._hand_on()  # full: a holder waiting out its stagger pulls no more
             return
         if not r.is_taking() or r.busy:
             self.changed.wait(AWAY_S if not r.is_taking() else 1.0)
+            return
+        if full:
+            self.changed.wait(WAIT_S)
             return
         if self._held:
             if not r.broker.renew_listener(self._held, TOKEN_MS):

@@ -258,7 +258,6 @@ class StaticPolicy:
             self.loop.in_hand = []
             if last:
                 r.busy = False
-                r.turn.set()
             r.wake()
             r.events.succeeded(ran.batch, (ran.end_ms - ran.start_ms) / 1000.0)
 
