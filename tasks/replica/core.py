@@ -77,7 +77,7 @@ class ReplicaCore:
         self.engine_cond = threading.Condition(self.lock)  # the engine's thread's: a batch is staged
         self.stopping = False
         self.stopped = threading.Event()
-        self.turn = threading.Event()  # a static batch started or ended: the listener's turn may change
+        self.turn = threading.Event()  # busy or state changed: the listener's turn may change (listener.py)
         self.loop_thread: threading.Thread | None = None  # set once the loop runs
         self._assemble()
 

@@ -39,7 +39,7 @@ class Listener:
         self.replica = replica
         self.enabled = replica.config.single_listener and not replica.engine.continuous
         replica.gate.listens = not self.enabled
-        self.changed = replica.turn  # a batch started or ended, or the replica stops
+        self.changed = replica.turn  # busy or state changed, or the replica stops
         self._held = ""  # the model whose token this replica holds
         self.thread = threading.Thread(target=self._run, name=f"listener-{replica.name}", daemon=True)
 
