@@ -272,7 +272,7 @@ class Gateway:
             # the queue puts that one back to its share.
             self._other_keys.add(job.model, job.tier, p.tenant_of(job.key), now)
             deepest = self._deepest(cell, job, budget, capacity, now)
-            position = self._recent_position(cell, job)
+            position = self._recent_position(cell, job, self._bumps(capacity))
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
                 verdict = Verdict.OVERLOADED
         if verdict == Verdict.ADMIT:
@@ -339,13 +339,13 @@ class Gateway:
             if not group:
                 self.waiters.pop(waiter.attempt, None)
 
-    def _recent_position(self, cell: Cell, job: p.Job) -> int:
+    def _recent_position(self, cell: Cell, job: p.Job, bump: bool) -> int:
         """The request's queue position by the cell's last admission's counts, if they are
         fresh: in line (a request behind other tenants' ones only waits longer)."""
         depths, at_ms = cell.depth.get(job.model, (admission.Depths(), 0.0))
         if self.clock.now_ms() - at_ms > FRESH_DEPTH_MS:
             return 0
-        return admission.lane_position(job.tier, depths, behind=False, bump=self.settings.admit_bump)
+        return admission.lane_position(job.tier, depths, behind=False, bump=bump)
 
     def _enqueue(
         self, cell: Cell, waiter: Waiter, session_key: str | None, deepest: int, capacity: Capacity

@@ -171,7 +171,7 @@ class ChordPolicy(StaticPolicy):
         """The static policy's pop; the pull gate expects the batch to end a hop later."""
         batch = super().pop(now_ms)
         if batch:
-            self.replica.gate.start(now_ms, self.replica.engine.expected_batch_ms() + self.hop_ms)
+            self.replica.start_batch(now_ms, self.replica.engine.expected_batch_ms() + self.hop_ms)
         return batch
 
     def run(self, batch: list[Pending], turn_started_ms: float) -> None:

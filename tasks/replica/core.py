@@ -113,6 +113,13 @@ class ReplicaCore:
             self.turn.set()
         self.gate.busy = value
 
+    def start_batch(self, at_ms: float, batch_ms: float) -> None:
+        """A batch starts at `at_ms` and runs `batch_ms` (`PullGate.start`): busy, as the
+        `busy` setter would say it, so the listener hands its turn on."""
+        if not self.gate.busy:
+            self.turn.set()
+        self.gate.start(at_ms, batch_ms)
+
     def wants_messages(self) -> bool:
         """May the consumer pull another request from the shared queue now (`PullGate`)?
         Read without the lock: a stale answer costs one message at most."""

@@ -208,9 +208,8 @@ class StaticPolicy:
         self._mark_urgent(now_ms, start)
         batch = r.collector.pop_batch() if self._due(now_ms, start) else []
         if batch:  # it starts when the engine frees
-            r.gate.start(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
+            r.start_batch(now_ms + self.device.frees_in_ms(monotonic_ms()), r.engine.expected_batch_ms())
             r.batch_started = monotonic_ms()
-            r.turn.set()
         return batch
 
     def pop_rest(self, batch: list[Pending]) -> list[Pending]:
