@@ -90,7 +90,7 @@ class Waiter:
 
 
 STALE_CHECKS = 8  # a tenant's oldest queued entries checked per admission at its fair depth
-RESCUE_AFTER_S = 0.1  # after a death, so a live replica's pops of the moment are recorded
+RESCUE_AFTER_S = 0.03  # after a death, so a live replica's pops of the moment are recorded
 RESCUE_CHUNK = 1000  # requests per RESCUE call (each call may read the queue once)
 NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
 MOVE_AFTER_S = 0.1  # a cell silent this long after a failed call: its waiting requests go to another

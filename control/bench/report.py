@@ -64,9 +64,12 @@ def without_logs(report: dict) -> dict:
     return {k: v for k, v in report.items() if k != "logs"}
 
 
-def settle_logs(report: dict) -> bool:
-    """Keep the deployments' logs of a failed run (named on stderr), delete a passed one's;
-    whether it passed."""
+def settle_logs(report: dict, keep: bool = False) -> bool:
+    """Keep the deployments' logs of a failed run (named on stderr), delete a passed one's
+    unless `keep`; whether it passed."""
+    if keep:
+        print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
+        return bool(report["ok"])
     if not report["ok"]:
         print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
         return False

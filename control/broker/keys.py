@@ -36,7 +36,8 @@ REPLICAS_KEY = key("replicas")  # names of the replicas that published a registr
 HOLDERS_KEY = key("holders")  # replicas that may hold requests (control/broker/scripts.py)
 WASTED_KEY = key("stats", "wasted")  # results that found their request answered or gone
 HEDGE_WASTED_KEY = key("stats", "hedge_wasted")  # second copies (hedges) whose request was answered first
-DEATHS_KEY = key("deaths")  # how many replicas were ever swept: gateways then run RESCUE
+DEATHS_KEY = key("deaths")  # replicas ever swept, and listener tokens lapsed: gateways then run RESCUE
+LISTENER_LAST_KEY = key("listener", "last")  # model -> the replica that took its listener token last
 SWEEPING_KEY = key("sweeping")  # held by the gateway process that sweeps now (one a cell at a time)
 FLEET_KEY = key("fleet")  # the registry as the last sweep read it, for every gateway in one GET
 EPOCH_KEY = key("epoch")  # set once by the first sweep of a broker's keyspace: a new one means it was lost
@@ -219,6 +220,8 @@ LUA_KEYS: dict[str, str] = {
     "bucket": key("bucket", ""),  # + tier ':' tenant: `bucket_key`
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,
+    "listener": _stem(listener_key),
+    "listener_last": LISTENER_LAST_KEY,
     "replicas": REPLICAS_KEY,
     "sweeping": SWEEPING_KEY,
     "fleet": FLEET_KEY,

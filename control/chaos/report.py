@@ -8,18 +8,18 @@ from control.bench.report import counts, figure_table, ms, print_table, settle_l
 from control.chaos.analysis import FAST_503_MS
 
 
-def finish(report: dict, json_path: str | None) -> int:
+def finish(report: dict, json_path: str | None, keep_logs: bool = False) -> int:
     print_report(report)
-    return save(report, json_path)
+    return save(report, json_path, keep_logs)
 
 
-def save(report: dict, json_path: str | None) -> int:
+def save(report: dict, json_path: str | None, keep_logs: bool = False) -> int:
     """Save (without the logs' paths, which are this machine's), and keep the
     deployments' logs only when the run failed."""
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(without_logs(report), fh, indent=2)
-    return 0 if settle_logs(report) else 1
+    return 0 if settle_logs(report, keep_logs) else 1
 
 
 def print_report(report: dict) -> None:

@@ -72,7 +72,12 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
         "pids": sorted(pid for d in deployments for pid in d.seen),
         "logs": [d.log_path for d in deployments],
     }
-    return finish(report, args.json)
+    if args.keep_logs:  # what a reader of the logs looks for: each error, by request id
+        for r in records:
+            if r.status not in (0, 200, 429):
+                sent = f"sent {r.sent_s:.3f} s, {r.latency_ms:.0f} ms"
+                print(f"{r.status} {r.code} {r.tier} {sent}: {r.id} {r.error}", file=sys.stderr)
+    return finish(report, args.json, args.keep_logs)
 
 
 def _run_idle(deployment: Deployment, spec: ChaosSpec, idle: IdleSpec, json_path: str | None) -> int:

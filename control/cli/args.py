@@ -218,6 +218,7 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
         help="quiet seconds after the last fault, then a request per replica (default: what the stall watchdog needs)",
     )
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--keep-logs", action="store_true", help="keep the deployments' logs of a passed run too")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -243,6 +243,31 @@ def test_rescue_pushes_back_a_request_a_dead_replica_popped_and_never_recorded(s
     assert state.lrange(queue, 0, -1) == [message.encode()]
 
 
+def test_a_listener_token_that_lapsed_counts_as_a_death_once(state: redis.Redis) -> None:
+    """A holder that stops renewing may have popped a request it will never record: the
+    take that follows its lapse (or a sweep that finds it) tells gateways to run RESCUE.
+    A token handed on tells nothing."""
+    from tasks.replica.broker import ReplicaBroker
+
+    def deaths() -> int:
+        return int(state.get(keys.DEATHS_KEY) or 0)
+
+    r1, r2 = ReplicaBroker(state, "r1", lambda job: ""), ReplicaBroker(state, "r2", lambda job: "")
+    assert r1.take_listener(MODEL, 60_000) and not r2.take_listener(MODEL, 60_000)
+    assert r1.renew_listener(MODEL, 60_000) and not r2.renew_listener(MODEL, 60_000)
+    r1.hand_on_listener(MODEL)
+    assert r2.take_listener(MODEL, 60_000) and deaths() == 0  # handed on: no death
+    state.delete(keys.listener_key(MODEL))  # r2 stopped: its token lapsed
+    assert r1.take_listener(MODEL, 60_000) and deaths() == 1
+    assert not r2.renew_listener(MODEL, 60_000)
+    r2.hand_on_listener(MODEL)  # a lapsed holder's hand-on touches nothing
+    assert state.get(keys.listener_key(MODEL)) == b"r1"
+    state.delete(keys.listener_key(MODEL))  # r1 stopped too, and no replica takes the token
+    assert scripts.SweepDead(state)(265)[3] == 2
+    assert scripts.SweepDead(state)(265)[3] == 2  # once
+    assert r2.take_listener(MODEL, 60_000) and deaths() == 2
+
+
 def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: redis.Redis) -> None:
     from control.broker.envelope import TaskMessages
     from control.core.settings import Settings

@@ -71,3 +71,27 @@ def test_a_listener_that_stops_without_a_word_loses_its_turn_to_another_idle_rep
             victim.wait(5)
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
         assert holder.decode() not in {a.json()["keybatch"]["replica"] for a in answers}
+
+
+def test_what_a_stopped_listener_took_comes_back_when_its_token_lapses() -> None:
+    """The holder is stopped while it waits on the queue: its pull, already sent, takes the
+    next arrival with it, which it will never record. When its token lapses (80 ms), not a
+    lease later (300 ms and a sweep), the gateway puts the request back in line, and it is
+    answered within the default budget (600 ms)."""
+    with deployment(workers=3, max_batch="16", hedge="off", single_listener="true") as kb:
+        state = redis.Redis.from_url(kb.system.redis_url)
+        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
+        holder = state.get(keys.listener_key(MODEL))
+        assert holder is not None
+        victim = next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
+        deaths = int(state.get(keys.DEATHS_KEY) or 0)
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            answer = kb.post({"model": MODEL, "prompt": "taken"})
+        finally:
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(5)
+        assert answer.status_code == 200, answer.text
+        meta = answer.json()["keybatch"]
+        assert meta["replica"] != holder.decode()
+        assert int(state.get(keys.DEATHS_KEY) or 0) > deaths  # the lapse was seen
