@@ -59,12 +59,15 @@ class Inputs:
     host_size: int = 8  # replicas a host carries
     tier_loads: tuple[float, ...] = ()  # also paid and free latency at these shares of a region's capacity
     stagger_saturated: bool = True  # simulated replicas stagger full batches as live ones do (SimConfig)
-    single_listener: bool = False  # idle replicas leave arrivals to one gathering (SINGLE_LISTENER)
+    single_listener: bool = True  # idle replicas leave arrivals to one gathering (SINGLE_LISTENER)
+    spare_hosts: int = 0  # hosts of `host_size` replicas of the first model added per region
 
     def __post_init__(self) -> None:
         self.models = self.models or {"kb-small": 1.0}
         if self.rps <= 0 or self.max_batch < 1 or self.batch_ms <= 0:
             raise ValueError("rps, max-batch and batch-ms must be positive")
+        if self.spare_hosts < 0 or self.host_size < 1:
+            raise ValueError("spare-hosts must be at least 0 and host-size at least 1")
         if not 0 <= self.headroom < 1:
             raise ValueError("headroom must be in [0, 1)")
         if self.regions < 1:
@@ -388,6 +391,11 @@ def _counts(inputs: Inputs, out: dict[str, Any], recommended: dict[str, int | No
         fallback = {n: int(r) for n, r in recommended.items() if r is not None}
     models = list(inputs.shares)
     counts = [fallback[n] for n in models]
+    # The search's count carries the peak with a region lost; a spare host more carries it
+    # with a host lost too. The final run and the host's loss run with the spares.
+    out["searched_per_region_by_model"] = dict(zip(models, counts, strict=True))
+    out["spare_per_region"] = inputs.spare_hosts * inputs.host_size
+    counts[0] += out["spare_per_region"]
     out["replicas_per_region_by_model"] = dict(zip(models, counts, strict=True))
     if out["met"]:
         out["replicas_per_region"] = sum(counts)

@@ -71,9 +71,15 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--single-listener",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="one idle replica of a model waits on its queue at a time, as live (SINGLE_LISTENER); off, as the "
-        "stored capacity figures were made",
+        default=True,
+        help="one idle replica of a model waits on its queue at a time, as live (SINGLE_LISTENER, the default)",
+    )
+    parser.add_argument(
+        "--spare-hosts",
+        type=int,
+        default=1,
+        help="hosts of --host-size replicas of the first model added per region to the smallest count that "
+        "meets the SLO: the peak with a region lost, and a host lost too",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -111,6 +117,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             tier_loads=tuple(float(x) for x in args.tiers_by_load.split(",") if x.strip()),
             stagger_saturated=args.stagger_saturated,
             single_listener=args.single_listener,
+            spare_hosts=args.spare_hosts,
         )
     except (OSError, ValueError) as exc:
         print(f"keybatch capacity: {exc}", file=sys.stderr)
@@ -168,9 +175,11 @@ def _print(out: dict[str, Any]) -> None:
     for tier, s in sim["per_tier"].items():
         table.add_row(tier, "", *_cells(s))
     console.print(table)
+    spare = out["spare_per_region"]
     verdict = (
         f"recommended: {out['replicas_per_region']} replicas per region, {out['replicas']} in all "
-        f"(p99 {out['p99_ms']} ms with the network, SLO {i['slo_ms']:.0f} ms, one region lost)"
+        f"(p99 {out['p99_ms']} ms with the network, SLO {i['slo_ms']:.0f} ms, one region lost"
+        + (f"; {spare} of them per region a spare for a host lost)" if spare else ")")
         if out["met"]
         else "no replica count searched met the SLO: see the search figures (--json)"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,18 @@ def test_search_finds_a_count_that_meets_the_slo_with_a_region_lost() -> None:
     assert out["p99_ms"] <= 600.0
     fewer = [t for t in out["search"]["m"] if t["replicas"] < per_region]
     assert all(t["p99_ms"] is None or t["p99_ms"] > 600 or t["answered_200_share"] < 0.999 for t in fewer)
+
+
+def test_spare_hosts_add_to_the_count_the_search_found() -> None:
+    inputs = Inputs(rps=2_000, regions=3, models={"m": 1.0}, sim_seconds=6, search_seconds=6)
+    found = plan(inputs)
+    spared = plan(replace(inputs, spare_hosts=1, host_size=2))
+    assert found["spare_per_region"] == 0 and spared["spare_per_region"] == 2
+    assert spared["searched_per_region_by_model"] == found["replicas_per_region_by_model"]
+    assert spared["replicas_per_region"] == found["replicas_per_region"] + 2
+    assert spared["replicas"] == 3 * spared["replicas_per_region"]
+    with pytest.raises(ValueError):
+        Inputs(rps=2_000, spare_hosts=-1)
 
 
 def test_a_host_lost_at_the_recommended_count_costs_fewer_answers_with_hedging() -> None:
