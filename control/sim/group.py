@@ -123,6 +123,7 @@ class Group:
         self.free_queue: deque[int] = deque()
         self.num_waiting = [0, 0]  # free, paid: the waiting sets admission counts
         self.blocked: deque[SimReplica] = deque(self.replicas)  # consumers in BRPOP, first asked first
+        self.gatherer: SimReplica | None = None  # the idle replica that took a first request last
         self.limits = Limits(config.max_queue_paid, config.max_queue_free, config.margin_ms)
         self.paid_meter = RateMeter()
         self.demand_meter = RateMeter()  # every arrival, where admission counts phases

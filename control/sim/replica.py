@@ -68,6 +68,8 @@ class ReplicaSide(SimState):
         if replica.group.list_taken:
             replica.group.held(pending, self.paid[i], replica.host)
         if not replica.busy:
+            if len(collector) == 1:
+                replica.group.gatherer = replica
             if len(collector) >= collector.config.max_batch:
                 self._try_launch(replica)
             elif len(collector) == 1 or i in self.resent_ids:
