@@ -38,6 +38,7 @@ WASTED_KEY = key("stats", "wasted")  # results that found their request answered
 HEDGE_WASTED_KEY = key("stats", "hedge_wasted")  # second copies (hedges) whose request was answered first
 DEATHS_KEY = key("deaths")  # replicas ever swept, and listener tokens lapsed: gateways then run RESCUE
 LISTENER_LAST_KEY = key("listener", "last")  # model -> the replica that took its listener token last
+PULSES_KEY = key("pulses")  # replicas whose pulse key (`pulse_key`) a sweep watches
 SWEEPING_KEY = key("sweeping")  # held by the gateway process that sweeps now (one a cell at a time)
 FLEET_KEY = key("fleet")  # the registry as the last sweep read it, for every gateway in one GET
 EPOCH_KEY = key("epoch")  # set once by the first sweep of a broker's keyspace: a new one means it was lost
@@ -104,6 +105,12 @@ def listener_key(model: str) -> str:
     """SINGLE_LISTENER: the name of the one idle replica of a model that waits on its queue
     now (expires unless renewed: a holder that dies loses it)."""
     return key("listener", model)
+
+
+def pulse_key(replica: str) -> str:
+    """A replica's pulse: renewed from a thread of its own, it lapses soon after the
+    process stops (PULSE_MS); a sweep that finds it gone counts a death."""
+    return key("pulse", replica)
 
 
 def listener_turn_key(model: str) -> str:
@@ -222,6 +229,8 @@ LUA_KEYS: dict[str, str] = {
     "deaths": DEATHS_KEY,
     "listener": _stem(listener_key),
     "listener_last": LISTENER_LAST_KEY,
+    "pulse": _stem(pulse_key),
+    "pulses": PULSES_KEY,
     "replicas": REPLICAS_KEY,
     "sweeping": SWEEPING_KEY,
     "fleet": FLEET_KEY,

@@ -301,7 +301,8 @@ SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
 
 # ARGV: min ms, lock ms. Sweeps every holder whose lease lapsed; returns {holders, requeued,
 # expired, deaths, epoch}: deaths, how many replicas were ever swept (and listener tokens
-# found lapsed, LISTENER_LUA), tells a gateway to run RESCUE; the epoch, set by the first
+# and pulses found lapsed: LISTENER_LUA, `keys.pulse_key`), tells a gateway to run RESCUE,
+# which puts back what a stopped replica's outstanding pull took; the epoch, set by the first
 # sweep of the keyspace, changes when the broker lost it.
 # With a lock (lock ms > 0) only the first call in each lock's span sweeps, whichever of the
 # gateway processes makes it, and it also leaves the registry as one value (FLEET: the
@@ -332,6 +333,12 @@ if locked then
   for i = 1, #last, 2 do  -- a listener token that lapsed: a death, as LISTENER_LUA says
     if redis.call('EXISTS', K.listener .. last[i]) == 0 then
       redis.call('HDEL', K.listener_last, last[i])
+      redis.call('INCR', K.deaths)
+    end
+  end
+  for _, name in ipairs(redis.call('HKEYS', K.pulses)) do  -- a pulse that lapsed: the same
+    if redis.call('EXISTS', K.pulse .. name) == 0 then
+      redis.call('HDEL', K.pulses, name)
       redis.call('INCR', K.deaths)
     end
   end

@@ -211,6 +211,13 @@ class Settings(BaseSettings):
     lease_ms: float = Field(
         300.0, gt=0, description="a replica whose batching loop is silent this long is presumed dead"
     )
+    pulse_ms: float = Field(
+        100.0,
+        ge=0,
+        description="a replica renews a key of this lifetime every 40% of it from a thread of its own; a gateway "
+        "that finds it lapsed offers its waiting requests to RESCUE, which puts back what a stopped replica's "
+        "outstanding pull took (the lease, slower, still decides what it held); 0: off",
+    )
     stall_ms: float = Field(2000.0, gt=0, description="a batch this far past its expected time restarts the replica")
     broker_timeout_ms: float = Field(75.0, gt=0, description="bound on each broker call on the request path (then 503)")
     idempotency_window_s: float = Field(

@@ -103,6 +103,15 @@ class ReplicaBroker:
         pipe.srem(keys.HOLDERS_KEY, self.name)
         pipe.zrem(keys.idle_key(model), self.name)
         pipe.zrem(keys.launch_key(model), self.name)
+        pipe.delete(keys.pulse_key(self.name))
+        pipe.hdel(keys.PULSES_KEY, self.name)
+        pipe.execute()
+
+    def pulse(self, ttl_ms: int) -> None:
+        """Renew the replica's pulse key, and the note that a sweep should watch it."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(keys.pulse_key(self.name), 1, px=ttl_ms)
+        pipe.hset(keys.PULSES_KEY, self.name, 1)
         pipe.execute()
 
     # -- the listener's turn (SINGLE_LISTENER) ------------------------------------------

@@ -1,4 +1,5 @@
-"""The replica's heartbeat: its registry entry, the broker's clock, the stall watchdog."""
+"""The replica's heartbeat: its registry entry, the broker's clock, the stall watchdog; and
+its pulse, a key that lapses soon after the process stops."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STALLED_BEATS = 2  # beats in a row that find the engine stalled before the replica gives up
+PULSE_EVERY = 0.4  # the pulse is renewed at this share of its lifetime
 
 
 def beat(replica: ReplicaCore) -> None:
@@ -36,6 +38,19 @@ def beat(replica: ReplicaCore) -> None:
             replica.publish_state()
         except BrokerError:
             log.warning("heartbeat failed")
+
+
+def pulse(replica: ReplicaCore) -> None:
+    """The pulse thread (PULSE_MS > 0): until the replica stops. A replica stopped without a
+    word (its host gone) may have a pull outstanding that takes a request it never records;
+    the pulse lapses within PULSE_MS, and the gateways put such requests back in line then,
+    not a lease and a sweep later (RESCUE)."""
+    ttl_ms = int(replica.config.pulse_ms)
+    while not replica.stopped.wait(ttl_ms * PULSE_EVERY / 1000.0):
+        try:
+            replica.broker.pulse(ttl_ms)
+        except BrokerError:
+            pass  # the next one tries again; a lapse only costs the gateways a RESCUE call
 
 
 def give_up_stalled(replica: ReplicaCore) -> None:

@@ -2,7 +2,8 @@
 
 No Celery here: the Celery consumer hands each request to `Replica.submit`. The parts:
 the intake and its recorder thread (intake.py), the batching loop and its phases (loop.py,
-policies.py), the operator's actions (operations.py), the heartbeat (heartbeat.py); every
+policies.py), the operator's actions (operations.py), the heartbeat and the pulse
+(heartbeat.py); every
 broker call is broker.py's.
 """
 
@@ -33,6 +34,7 @@ class Replica(ReplicaCore):
         self._batching = threading.Thread(target=self.loop.run, name=f"batching-{self.name}", daemon=True)
         self.loop_thread = self._batching
         self._beat = threading.Thread(target=heartbeat.beat, args=(self,), name=f"heartbeat-{self.name}", daemon=True)
+        self._pulse = threading.Thread(target=heartbeat.pulse, args=(self,), name=f"pulse-{self.name}", daemon=True)
         self.listener = Listener(self)
 
     def start(self) -> None:
@@ -43,6 +45,9 @@ class Replica(ReplicaCore):
         self.publish_state()
         self._batching.start()
         self._beat.start()
+        if self.config.pulse_ms > 0:
+            self.broker.pulse(int(self.config.pulse_ms))
+            self._pulse.start()
         self.intake.recorder.start()
         self.listener.start()
 
@@ -68,6 +73,8 @@ class Replica(ReplicaCore):
         self.stopped.set()
         self.listener.stop(timeout_s)
         self._beat.join(timeout_s)
+        if self._pulse.is_alive():
+            self._pulse.join(timeout_s)
         self.intake.recorder.join(timeout_s)
         try:
             self.broker.leave(self.model)

@@ -66,6 +66,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         heartbeat_s=s.heartbeat_s,
         ttl_s=s.replica_ttl_s,
         lease_ms=s.lease_ms,
+        pulse_ms=s.pulse_ms,
         stall_ms=s.stall_ms,
         max_clock_error_ms=s.max_clock_error_ms,
         hand_back=s.hand_back_pulls,

@@ -268,6 +268,22 @@ def test_a_listener_token_that_lapsed_counts_as_a_death_once(state: redis.Redis)
     assert r2.take_listener(MODEL, 60_000) and deaths() == 2
 
 
+def test_a_pulse_that_lapsed_counts_as_a_death_once_and_one_that_left_does_not(state: redis.Redis) -> None:
+    from tasks.replica.broker import ReplicaBroker
+
+    r1, r2 = ReplicaBroker(state, "r1", lambda job: ""), ReplicaBroker(state, "r2", lambda job: "")
+    r1.pulse(60_000)
+    r2.pulse(60_000)
+    assert scripts.SweepDead(state)(265)[3] == 0  # both alive
+    state.delete(keys.pulse_key("r1"))  # r1 stopped: its pulse lapsed
+    assert scripts.SweepDead(state)(265)[3] == 1
+    assert scripts.SweepDead(state)(265)[3] == 1  # once
+    r2.leave(MODEL)  # a replica that leaves takes its pulse with it
+    assert scripts.SweepDead(state)(265)[3] == 1
+    r1.pulse(60_000)  # back: watched again
+    assert state.hkeys(keys.PULSES_KEY) == [b"r1"]
+
+
 def test_a_take_fills_empty_seats_from_every_list_paid_behind_included(state: redis.Redis) -> None:
     from control.broker.envelope import TaskMessages
     from control.core.settings import Settings

@@ -156,6 +156,25 @@ def test_a_stored_answer_is_kept_for_the_idempotency_window_only(fleet: Deployme
     assert later.json()["keybatch"]["queue_ms"] > 0
 
 
+def test_what_a_stopped_replicas_pull_took_comes_back_within_the_default_budget() -> None:
+    """The same as below with the default budget (600 ms) and every idle replica waiting on
+    the queue: the stopped replica's pull takes one of the burst. Its pulse lapses within
+    100 ms, and the request is back in line in time. Found by the lease (300 ms) and a
+    sweep, it is too late for that budget (504 with PULSE_MS=0)."""
+    with deployment(workers=3, single_listener="false", hedge="off") as kb:
+        victim = kb.system.workers[0]
+        victim.send_signal(signal.SIGSTOP)  # idle: its pull (BRPOP) is outstanding
+        try:
+            futures = _burst(kb, 3)
+            answers = [f.result(20) for f in futures]
+        finally:
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(5)
+        assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers if a.status_code != 200]
+        # One of them came back: it waited for the pulse to lapse, not only for a batch.
+        assert max(a.json()["keybatch"]["queue_ms"] for a in answers) > 60, [a.json()["keybatch"] for a in answers]
+
+
 def test_a_request_a_replica_took_and_died_with_before_recording_it_is_queued_again() -> None:
     """A stopped replica's outstanding pull still takes a message off the queue: the
     request is then in no queue and no held hash. Once the replica is found dead, the
