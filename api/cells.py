@@ -79,6 +79,7 @@ class Cell:
         self.rescuer = client_like(client, socket_timeout=2.0, socket_connect_timeout=0.5)
         self.rescue = Rescue(self.rescuer)
         self.deaths: int | None = None  # replicas swept so far in this cell
+        self.rescuing = False  # a RESCUE round is due: deaths counted meanwhile ride it
         self.epoch = ""  # its keyspace's, as the last sweep named it (control/broker/scripts.py)
         # Admissions not yet in the broker's traffic counters (traffic.arrival_field -> how
         # many): added every 100 ms with the sweep, not one command per request.

@@ -593,9 +593,11 @@ class Gateway:
                         "cell %d: swept %d lapsed replicas: %d requests re-queued, %d expired",
                         cell.index, swept, requeued, expired,
                     )  # fmt: skip
-                if cell.deaths is not None and deaths != cell.deaths:
-                    # A replica died (this process swept it, another did, or a supervisor
-                    # released it): what it had popped and not yet recorded is nowhere.
+                if cell.deaths is not None and deaths != cell.deaths and not cell.rescuing:
+                    # A replica died (this process swept it, another did, a supervisor
+                    # released it, or its pulse lapsed): what it had popped and not yet
+                    # recorded is nowhere.
+                    cell.rescuing = True
                     threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(cell, min_ms)).start()
                 cell.deaths = deaths
                 if epoch and cell.epoch and epoch != cell.epoch:
@@ -633,6 +635,7 @@ class Gateway:
     def _rescue_waiting(self, cell: Cell, min_ms: float) -> None:
         """Offer this process's waiting requests in the cell to RESCUE (control/broker/scripts.py):
         those a dead replica had taken from the queue and not yet recorded go back to it."""
+        cell.rescuing = False  # a death counted from now on calls another round
         waiting = list({w.attempt: w for w in self._waiting_in(cell) if w.enqueued}.values())
         rescued = 0
         try:

@@ -61,6 +61,7 @@ CONSTANTS = {
     "paid_priority": p.PAID_PRIORITY,
     "free_priority": p.FREE_PRIORITY,
     "behind_step": p.BEHIND_STEP,
+    "pull_out_ms": keys.PULL_OUT_MS,
 }
 PRELUDE = _lua_table("K", keys.LUA_KEYS) + _lua_table("C", CONSTANTS)
 
@@ -333,13 +334,23 @@ if locked then
   for i = 1, #last, 2 do  -- a listener token that lapsed: a death, as LISTENER_LUA says
     if redis.call('EXISTS', K.listener .. last[i]) == 0 then
       redis.call('HDEL', K.listener_last, last[i])
-      redis.call('INCR', K.deaths)
+      if redis.call('EXISTS', K.pulse .. last[i + 1]) == 0 then redis.call('INCR', K.deaths) end
     end
   end
-  for _, name in ipairs(redis.call('HKEYS', K.pulses)) do  -- a pulse that lapsed: the same
+  -- A pulse that lapsed: a death, counted again at every sweep while the replica's pull,
+  -- sent before it stopped, may still take a message (each count is a RESCUE round).
+  local pulses, now = redis.call('HGETALL', K.pulses), now_ms()
+  for i = 1, #pulses, 2 do
+    local name, since = pulses[i], tonumber(pulses[i + 1])
     if redis.call('EXISTS', K.pulse .. name) == 0 then
-      redis.call('HDEL', K.pulses, name)
-      redis.call('INCR', K.deaths)
+      if since == 1 then
+        redis.call('HSET', K.pulses, name, now)
+        redis.call('INCR', K.deaths)
+      elseif now - since < C.pull_out_ms then
+        redis.call('INCR', K.deaths)
+      else
+        redis.call('HDEL', K.pulses, name)
+      end
     end
   end
   if lock_ms > 0 then
@@ -844,7 +855,7 @@ local name, model, mode = ARGV[1], ARGV[2], ARGV[3]
 if mode == 'take' then
   if not redis.call('SET', KEYS[1], name, 'NX', 'PX', ARGV[4]) then return 0 end
   local last = redis.call('HGET', K.listener_last, model)
-  if last and last ~= name then redis.call('INCR', K.deaths) end
+  if last and last ~= name and redis.call('EXISTS', K.pulse .. last) == 0 then redis.call('INCR', K.deaths) end
   redis.call('HSET', K.listener_last, model, name)
   return 1
 end

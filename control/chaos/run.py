@@ -49,7 +49,7 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
         idle = spec.idle
         if idle.tail_s is None:  # long enough for a replica's stall watchdog to act, if it would
             idle = replace(idle, tail_s=(settings.batch_ms + settings.stall_ms) / 1000 + 3 * settings.heartbeat_s + 1)
-        return _run_idle(deployments[0], spec, idle, args.json)
+        return _run_idle(deployments[0], spec, idle, args.json, args.keep_logs)
     capacity = spec.replicas * settings.max_batch * 1000.0 / settings.batch_ms
     try:
         _start(deployments, spec.replicas)
@@ -74,13 +74,13 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
     }
     if args.keep_logs:  # what a reader of the logs looks for: each error, by request id
         for r in records:
-            if r.status not in (0, 200, 429):
+            if r.status not in (200, 429) and not r.hung_up:
                 sent = f"sent {r.sent_s:.3f} s, {r.latency_ms:.0f} ms"
                 print(f"{r.status} {r.code} {r.tier} {sent}: {r.id} {r.error}", file=sys.stderr)
     return finish(report, args.json, args.keep_logs)
 
 
-def _run_idle(deployment: Deployment, spec: ChaosSpec, idle: IdleSpec, json_path: str | None) -> int:
+def _run_idle(deployment: Deployment, spec: ChaosSpec, idle: IdleSpec, json_path: str | None, keep_logs: bool) -> int:
     try:
         _start([deployment], spec.replicas)
         report = run_idle(deployment, idle)
@@ -92,7 +92,7 @@ def _run_idle(deployment: Deployment, spec: ChaosSpec, idle: IdleSpec, json_path
     report.update(backend=spec.backend, policy=spec.policy, replicas=spec.replicas, deployments=[stop])
     report["logs"] = [deployment.log_path]
     print_idle(report)
-    return save(report, json_path)
+    return save(report, json_path, keep_logs)
 
 
 def _start(deployments: list[Deployment], replicas: int) -> None:

@@ -15,6 +15,8 @@ from control.core.vocab import Policy, Tier
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
+MIN_PULSE_MS = 20  # PULSE_MS: shorter would send a replica's pulse more than 125 times a second
+
 
 class Settings(BaseSettings):
     """One settings object (env prefix ``KEYBATCH_``), passed down to every part."""
@@ -211,8 +213,8 @@ class Settings(BaseSettings):
     lease_ms: float = Field(
         300.0, gt=0, description="a replica whose batching loop is silent this long is presumed dead"
     )
-    pulse_ms: float = Field(
-        100.0,
+    pulse_ms: int = Field(
+        100,
         ge=0,
         description="a replica renews a key of this lifetime every 40% of it from a thread of its own; a gateway "
         "that finds it lapsed offers its waiting requests to RESCUE, which puts back what a stopped replica's "
@@ -264,6 +266,13 @@ class Settings(BaseSettings):
         if url is not None:
             check_url(url)
         return url
+
+    @field_validator("pulse_ms")
+    @classmethod
+    def _check_pulse(cls, ms: int) -> int:
+        if 0 < ms < MIN_PULSE_MS:
+            raise ValueError(f"a pulse is renewed every 40% of its lifetime: 0 (off) or at least {MIN_PULSE_MS} ms")
+        return ms
 
     @field_validator("cells")
     @classmethod

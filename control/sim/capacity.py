@@ -393,7 +393,7 @@ def _counts(inputs: Inputs, out: dict[str, Any], recommended: dict[str, int | No
     counts = [fallback[n] for n in models]
     # The search's count carries the peak with a region lost; a spare host more carries it
     # with a host lost too. The final run and the host's loss run with the spares.
-    out["searched_per_region_by_model"] = dict(zip(models, counts, strict=True))
+    out["searched_per_region_by_model"] = dict(zip(models, counts, strict=True)) if out["met"] else None
     out["spare_per_region"] = inputs.spare_hosts * inputs.host_size
     counts[0] += out["spare_per_region"]
     out["replicas_per_region_by_model"] = dict(zip(models, counts, strict=True))

@@ -108,11 +108,10 @@ class ReplicaBroker:
         pipe.execute()
 
     def pulse(self, ttl_ms: int) -> None:
-        """Renew the replica's pulse key, and the note that a sweep should watch it."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(keys.pulse_key(self.name), 1, px=ttl_ms)
-        pipe.hset(keys.PULSES_KEY, self.name, 1)
-        pipe.execute()
+        """Renew the replica's pulse key; where it had lapsed (or at the first), note again
+        that a sweep should watch it: one command a pulse, two after a lapse."""
+        if self.redis.set(keys.pulse_key(self.name), 1, px=ttl_ms, get=True) is None:
+            self.redis.hset(keys.PULSES_KEY, self.name, 1)
 
     # -- the listener's turn (SINGLE_LISTENER) ------------------------------------------
 
