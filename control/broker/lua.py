@@ -61,7 +61,6 @@ CONSTANTS = {
     "paid_priority": p.PAID_PRIORITY,
     "free_priority": p.FREE_PRIORITY,
     "behind_step": p.BEHIND_STEP,
-    "pull_out_ms": keys.PULL_OUT_MS,
 }
 PRELUDE = _lua_table("K", keys.LUA_KEYS) + _lua_table("C", CONSTANTS)
 
@@ -337,20 +336,10 @@ if locked then
       if redis.call('EXISTS', K.pulse .. last[i + 1]) == 0 then redis.call('INCR', K.deaths) end
     end
   end
-  -- A pulse that lapsed: a death, counted again at every sweep while the replica's pull,
-  -- sent before it stopped, may still take a message (each count is a RESCUE round).
-  local pulses, now = redis.call('HGETALL', K.pulses), now_ms()
-  for i = 1, #pulses, 2 do
-    local name, since = pulses[i], tonumber(pulses[i + 1])
+  for _, name in ipairs(redis.call('HKEYS', K.pulses)) do  -- a pulse that lapsed: a death
     if redis.call('EXISTS', K.pulse .. name) == 0 then
-      if since == 1 then
-        redis.call('HSET', K.pulses, name, now)
-        redis.call('INCR', K.deaths)
-      elseif now - since < C.pull_out_ms then
-        redis.call('INCR', K.deaths)
-      else
-        redis.call('HDEL', K.pulses, name)
-      end
+      redis.call('HDEL', K.pulses, name)
+      redis.call('INCR', K.deaths)
     end
   end
   if lock_ms > 0 then
