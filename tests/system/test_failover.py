@@ -190,5 +190,5 @@ def test_a_request_a_replica_took_and_died_with_before_recording_it_is_queued_ag
             victim.wait(5)
         assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
         # None waited for its deadline: the one the stopped replica took came back within
-        # its lease (300 ms), the sweep (100 ms) and the rescue's delay (100 ms).
+        # its pulse (100 ms), the sweep (100 ms) and the rescue's delay (30 ms).
         assert max(a.elapsed.total_seconds() for a in answers) < 4.0
