@@ -67,12 +67,9 @@ def without_logs(report: dict) -> dict:
 def settle_logs(report: dict, keep: bool = False) -> bool:
     """Keep the deployments' logs of a failed run (named on stderr), delete a passed one's
     unless `keep`; whether it passed."""
-    if keep:
+    if keep or not report["ok"]:
         print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
         return bool(report["ok"])
-    if not report["ok"]:
-        print(f"logs kept: {', '.join(report['logs'])}", file=sys.stderr)
-        return False
     for path in report["logs"]:
         os.unlink(path)
     return True
