@@ -36,8 +36,7 @@ REPLICAS_KEY = key("replicas")  # names of the replicas that published a registr
 HOLDERS_KEY = key("holders")  # replicas that may hold requests (control/broker/scripts.py)
 WASTED_KEY = key("stats", "wasted")  # results that found their request answered or gone
 HEDGE_WASTED_KEY = key("stats", "hedge_wasted")  # second copies (hedges) whose request was answered first
-DEATHS_KEY = key("deaths")  # replicas ever swept, and listener tokens lapsed: gateways then run RESCUE
-LISTENER_LAST_KEY = key("listeners")  # model -> the replica that took its listener token last
+DEATHS_KEY = key("deaths")  # replicas ever swept, and pulses lapsed: gateways then run RESCUE
 PULSES_KEY = key("pulses")  # replicas whose pulse (`pulse_key`) a sweep watches
 SWEEPING_KEY = key("sweeping")  # held by the gateway process that sweeps now (one a cell at a time)
 FLEET_KEY = key("fleet")  # the registry as the last sweep read it, for every gateway in one GET
@@ -227,8 +226,6 @@ LUA_KEYS: dict[str, str] = {
     "bucket": key("bucket", ""),  # + tier ':' tenant: `bucket_key`
     "holders": HOLDERS_KEY,
     "deaths": DEATHS_KEY,
-    "listener": _stem(listener_key),
-    "listener_last": LISTENER_LAST_KEY,
     "pulse": _stem(pulse_key),
     "pulses": PULSES_KEY,
     "replicas": REPLICAS_KEY,

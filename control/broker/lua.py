@@ -300,10 +300,10 @@ end
 SWEEP_ONE_LUA = LUA_LIB + _SWEEP_FN + "return sweep(ARGV[1], tonumber(ARGV[2]))"
 
 # ARGV: min ms, lock ms. Sweeps every holder whose lease lapsed; returns {holders, requeued,
-# expired, deaths, epoch}: deaths, how many replicas were ever swept (and listener tokens
-# and pulses found lapsed: LISTENER_LUA, `keys.pulse_key`), tells a gateway to run RESCUE,
-# which puts back what a stopped replica's outstanding pull took; the epoch, set by the first
-# sweep of the keyspace, changes when the broker lost it.
+# expired, deaths, epoch}: deaths, how many replicas were ever swept (and pulses found
+# lapsed, `keys.pulse_key`), tells a gateway to run RESCUE, which puts back what a stopped
+# replica's outstanding pull took; the epoch, set by the first sweep of the keyspace,
+# changes when the broker lost it.
 # With a lock (lock ms > 0) only the first call in each lock's span sweeps, whichever of the
 # gateway processes makes it, and it also leaves the registry as one value (FLEET: the
 # broker's time in ms, then per replica its name, its entry's fields and values, and 1 if
@@ -327,13 +327,6 @@ if locked then
     local r = sweep(holder, tonumber(ARGV[1]))
     if r[1] >= 0 then
       swept, requeued, expired = swept + 1, requeued + r[1], expired + r[2]
-    end
-  end
-  local last = redis.call('HGETALL', K.listener_last)
-  for i = 1, #last, 2 do  -- a listener token that lapsed: a death, as LISTENER_LUA says
-    if redis.call('EXISTS', K.listener .. last[i]) == 0 then
-      redis.call('HDEL', K.listener_last, last[i])
-      if redis.call('EXISTS', K.pulse .. last[i + 1]) == 0 then redis.call('INCR', K.deaths) end
     end
   end
   for _, name in ipairs(redis.call('HKEYS', K.pulses)) do  -- a pulse that lapsed: a death
@@ -828,33 +821,19 @@ return out
 """
 )
 
-# SINGLE_LISTENER: a replica takes its model's listener token, keeps it (renews it) or hands
-# it on. KEYS: the token, the turn list; ARGV: the replica, the model, 'take', 'renew' or
-# 'hand', the token's ms. A take notes the taker in `K.listener_last`; a hand-on (only by
-# the holder) deletes the token and that note, and pushes one item to the turn list, which
-# wakes one idle replica blocked on it (the list keeps at most that one). A note whose
-# token is gone means the holder stopped renewing without a word: it may have popped a
-# request it will never record, so the take (here) or the sweep (SWEEP_DEAD) that finds
-# it counts a death, and gateways offer their waiting requests to RESCUE at once, not a
-# lease later. Returns 1 if the replica took or held it.
+# SINGLE_LISTENER: the holder of a model's listener token keeps it (renews it) or hands it
+# on, only while it is its own. KEYS: the token, the turn list; ARGV: the replica, the
+# token's ms (renew), or '' (hand on: the token goes, and one item in the turn list wakes
+# one idle replica blocked on it; the list keeps at most that one). Returns 1 if it held it.
 LISTENER_LUA = (
     PRELUDE
     + """
-local name, model, mode = ARGV[1], ARGV[2], ARGV[3]
-if mode == 'take' then
-  if not redis.call('SET', KEYS[1], name, 'NX', 'PX', ARGV[4]) then return 0 end
-  local last = redis.call('HGET', K.listener_last, model)
-  if last and last ~= name and redis.call('EXISTS', K.pulse .. last) == 0 then redis.call('INCR', K.deaths) end
-  redis.call('HSET', K.listener_last, model, name)
-  return 1
-end
-if redis.call('GET', KEYS[1]) ~= name then return 0 end
-if mode == 'renew' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
 redis.call('DEL', KEYS[1])
-redis.call('HDEL', K.listener_last, model)
 redis.call('LPUSH', KEYS[2], '1')
 redis.call('LTRIM', KEYS[2], 0, 0)
 redis.call('PEXPIRE', KEYS[2], 1000)

@@ -117,19 +117,15 @@ class ReplicaBroker:
 
     def take_listener(self, model: str, ttl_ms: int) -> bool:
         """The model's listener token, if no other replica holds it."""
-        return self._call_listener(model, "take", ttl_ms)
+        return bool(self.redis.set(keys.listener_key(model), self.name, nx=True, px=ttl_ms))
 
     def renew_listener(self, model: str, ttl_ms: int) -> bool:
         """Keep the token another `ttl_ms`; False: it is not this replica's any more."""
-        return self._call_listener(model, "renew", ttl_ms)
+        return bool(self._listener([keys.listener_key(model), keys.listener_turn_key(model)], [self.name, ttl_ms]))
 
     def hand_on_listener(self, model: str) -> None:
         """Give the token up and wake one idle replica waiting for it."""
-        self._call_listener(model, "hand", 0)
-
-    def _call_listener(self, model: str, mode: str, ttl_ms: int) -> bool:
-        token = [keys.listener_key(model), keys.listener_turn_key(model)]
-        return bool(self._listener(token, [self.name, model, mode, ttl_ms]))
+        self._listener([keys.listener_key(model), keys.listener_turn_key(model)], [self.name, ""])
 
     def await_listener(self, model: str, timeout_s: float) -> None:
         """Block until a holder hands the token on, or `timeout_s` passes."""

@@ -73,13 +73,13 @@ def test_a_listener_that_stops_without_a_word_loses_its_turn_to_another_idle_rep
         assert holder.decode() not in {a.json()["keybatch"]["replica"] for a in answers}
 
 
-def test_what_a_stopped_listener_took_comes_back_when_its_token_lapses() -> None:
+def test_what_a_stopped_listener_took_comes_back_when_its_pulse_lapses() -> None:
     """The holder is stopped while it waits on the queue: its pull, already sent, takes the
-    next arrival with it, which it will never record. When its token lapses (80 ms), not a
-    lease later (300 ms and a sweep), the gateway puts the request back in line, and it is
-    answered within the default budget (600 ms). Without the pulse, which finds any stopped
-    replica as soon (test_failover.py), so that the token's lapse is what counts here."""
-    with deployment(workers=3, max_batch="16", hedge="off", single_listener="true", pulse_ms="0") as kb:
+    next arrival with it, which it will never record. Its token lapses (80 ms) and another
+    replica listens; its pulse lapses (100 ms), not a lease later (300 ms and a sweep), and
+    the gateway puts the request back in line: it is answered within the default budget
+    (600 ms)."""
+    with deployment(workers=3, max_batch="16", hedge="off", single_listener="true") as kb:
         state = redis.Redis.from_url(kb.system.redis_url)
         assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
         holder = state.get(keys.listener_key(MODEL))
