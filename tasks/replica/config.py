@@ -18,7 +18,7 @@ class ReplicaConfig:
     heartbeat_s: float = 1.0
     ttl_s: float = 3.0  # the registry entry outlives a few missed heartbeats
     lease_ms: float = 300.0
-    pulse_ms: float = 0.0  # the pulse key's lifetime (0: no pulse)
+    pulse_ms: int = 0  # the pulse key's lifetime (0: no pulse)
     stall_ms: float = 2000.0  # an engine step this far past a whole batch's time hangs
     max_clock_error_ms: float = 25.0
     host: str = ""  # the host it runs on ("": this machine's name)

@@ -45,7 +45,7 @@ def pulse(replica: ReplicaCore) -> None:
     word (its host gone) may have a pull outstanding that takes a request it never records;
     the pulse lapses within PULSE_MS, and the gateways put such requests back in line then,
     not a lease and a sweep later (RESCUE)."""
-    ttl_ms = int(replica.config.pulse_ms)
+    ttl_ms = replica.config.pulse_ms
     while not replica.stopped.wait(ttl_ms * PULSE_EVERY / 1000.0):
         try:
             replica.broker.pulse(ttl_ms)

@@ -46,7 +46,7 @@ class Replica(ReplicaCore):
         self._batching.start()
         self._beat.start()
         if self.config.pulse_ms > 0:
-            self.broker.pulse(int(self.config.pulse_ms))
+            self.broker.pulse(self.config.pulse_ms)
             self._pulse.start()
         self.intake.recorder.start()
         self.listener.start()
