@@ -90,7 +90,10 @@ class Waiter:
 
 
 STALE_CHECKS = 8  # a tenant's oldest queued entries checked per admission at its fair depth
-RESCUE_AFTER_S = 0.03  # after a death, so a live replica's pops of the moment are recorded
+RESCUE_AFTER_S = 0.03  # a RESCUE round looks, then pushes back what it saw still unrecorded this much later
+# A second round after a death: a stopped replica's last pull, sent before its pulse lapsed,
+# may take an arrival until it times out on the broker (PULL_WAIT_S, and one broker tick).
+RESCUE_AGAIN_S = 2 * p.PULL_WAIT_S
 RESCUE_CHUNK = 1000  # requests per RESCUE call (each call may read the queue once)
 NO_REPLICA_RECHECK_S = 0.02  # a request that finds no replica reads the registry again if its view is older
 MOVE_AFTER_S = 0.1  # a cell silent this long after a failed call: its waiting requests go to another
@@ -598,7 +601,7 @@ class Gateway:
                     # released it, or its pulse lapsed): what it had popped and not yet
                     # recorded is nowhere.
                     cell.rescuing = True
-                    threading.Timer(RESCUE_AFTER_S, self._rescue_waiting, args=(cell, min_ms)).start()
+                    threading.Thread(target=self._rescue_rounds, args=(cell, min_ms), daemon=True).start()
                 cell.deaths = deaths
                 if epoch and cell.epoch and epoch != cell.epoch:
                     self._keyspace_lost(cell)
@@ -632,16 +635,33 @@ class Gateway:
         with self._lock:
             return [w for group in self.waiters.values() for w in group if w.cell == cell.index and w.item is None]
 
+    def _rescue_rounds(self, cell: Cell, min_ms: float) -> None:
+        """Two RESCUE rounds after a death: at once, and once the dead replica's last pull
+        has timed out on the broker (what it took after the first round)."""
+        cell.rescuing = False  # a death counted from now on calls rounds of its own
+        started = time.monotonic()
+        self._rescue_waiting(cell, min_ms)
+        time.sleep(max(0.0, started + RESCUE_AGAIN_S - time.monotonic()))
+        self._rescue_waiting(cell, min_ms)
+
     def _rescue_waiting(self, cell: Cell, min_ms: float) -> None:
         """Offer this process's waiting requests in the cell to RESCUE (control/broker/scripts.py):
-        those a dead replica had taken from the queue and not yet recorded go back to it."""
-        cell.rescuing = False  # a death counted from now on calls another round
+        those a dead replica had taken from the queue and not yet recorded go back to it.
+        Only what two looks `RESCUE_AFTER_S` apart both found unrecorded: a live replica
+        records what it pops within that, and a request it popped a moment ago is not
+        pushed back as a second copy."""
         waiting = list({w.attempt: w for w in self._waiting_in(cell) if w.enqueued}.values())
         rescued = 0
         try:
+            seen: set[str] = set()
             for start in range(0, len(waiting), RESCUE_CHUNK):
-                offers = [_rescue_offer(w) for w in waiting[start : start + RESCUE_CHUNK]]
-                rescued += cell.rescue(min_ms, offers)
+                seen |= cell.rescue.look(min_ms, [_rescue_offer(w) for w in waiting[start : start + RESCUE_CHUNK]])
+            if not seen:
+                return
+            time.sleep(RESCUE_AFTER_S)
+            suspects = [w for w in waiting if w.attempt in seen]
+            for start in range(0, len(suspects), RESCUE_CHUNK):
+                rescued += cell.rescue(min_ms, [_rescue_offer(w) for w in suspects[start : start + RESCUE_CHUNK]])
         except redis.RedisError as exc:
             log.warning("could not offer waiting requests for rescue: %s", exc)
         if rescued:

@@ -367,12 +367,16 @@ return {swept, requeued, expired, tonumber(redis.call('GET', K.deaths) or '0'), 
 # request received before the oldest message left in its list was popped already;
 # for the others the list is read once per call (its messages' ids), which costs a
 # scan of the queue, after a death only.
-# ARGV: min ms, then per request the fields of `RescueOffer`; the message is the owner's.
-# Returns how many were pushed back.
+# A gateway calls it twice a round, 30 ms apart: first to look (push 0), which returns the
+# attempts it would push back, then to push (push 1) only those looked at: a request a live
+# replica popped a moment ago and records late is not pushed back unless it stayed
+# unrecorded across both calls.
+# ARGV: min ms, push (1) or look (0), then per request the fields of `RescueOffer`; the
+# message is the owner's. Returns how many were pushed back, or the attempts looked at.
 RESCUE_LUA = (
     LUA_LIB
     + """
-local now, min_ms = now_ms(), tonumber(ARGV[1])
+local now, min_ms, push = now_ms(), tonumber(ARGV[1]), ARGV[2] == '1'
 local holders = redis.call('SMEMBERS', K.holders)
 local oldest = {}
 local function oldest_received(queue)  -- false: the list is empty; -1: unknown (keep all)
@@ -394,8 +398,8 @@ local function in_queue(queue)  -- the attempts whose messages are in the list, 
   end
   return ids[queue]
 end
-local rescued = 0
-for i = 2, #ARGV, 6 do
+local rescued, seen = 0, {}
+for i = 3, #ARGV, 6 do
   local att, key, queue, waiting = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local deadline, received = math.floor(tonumber(ARGV[i + 4])), tonumber(ARGV[i + 5])
   local owner = get_owner(key)
@@ -412,15 +416,20 @@ for i = 2, #ARGV, 6 do
   if live then
     local o = oldest_received(queue)
     local queued = o ~= false and (o == -1 or received >= o) and in_queue(queue)[att] ~= nil
-    if not queued and deadline - now >= min_ms and redis.call('INCR', K.requeued .. att) <= C.max_requeues then
-      redis.call('PEXPIRE', K.requeued .. att, deadline - now + 1000)
-      redis.call('RPUSH', queue, message)
-      back_in_line(waiting, who, deadline, att, deadline - now)
-      rescued = rescued + 1
+    if not queued and deadline - now >= min_ms then
+      if not push then
+        seen[#seen + 1] = att
+      elseif redis.call('INCR', K.requeued .. att) <= C.max_requeues then
+        redis.call('PEXPIRE', K.requeued .. att, deadline - now + 1000)
+        redis.call('RPUSH', queue, message)
+        back_in_line(waiting, who, deadline, att, deadline - now)
+        rescued = rescued + 1
+      end
     end
   end
 end
-return rescued
+if push then return rescued end
+return seen
 """
 )
 

@@ -250,10 +250,19 @@ class Rescue(_Registered):
     SOURCE = RESCUE_LUA
 
     def __call__(self, min_ms: float, offers: Iterable[RescueOffer]) -> int:
-        args: list[EncodableT] = [min_ms]
-        for offer in offers:
-            args += offer
-        return int(self._run([keys.HOLDERS_KEY], args))
+        return int(self._run([keys.HOLDERS_KEY], _rescue_args(min_ms, 1, offers)))
+
+    def look(self, min_ms: float, offers: Iterable[RescueOffer]) -> set[str]:
+        """The attempts among `offers` that would be pushed back now; none is pushed."""
+        seen = self._run([keys.HOLDERS_KEY], _rescue_args(min_ms, 0, offers))
+        return {a.decode() if isinstance(a, bytes) else str(a) for a in seen}
+
+
+def _rescue_args(min_ms: float, push: int, offers: Iterable[RescueOffer]) -> list[EncodableT]:
+    args: list[EncodableT] = [min_ms, push]
+    for offer in offers:
+        args += offer
+    return args
 
 
 class HeldEntry(NamedTuple):

@@ -245,7 +245,8 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
         now + 60_000,
         now,
     ]
-    assert s.rescue(keys=[keys.HOLDERS_KEY], args=[265, *offer]) == 1
+    assert s.rescue(keys=[keys.HOLDERS_KEY], args=[265, 0, *offer]) == [b"att-f"]  # looked at, not pushed
+    assert s.rescue(keys=[keys.HOLDERS_KEY], args=[265, 1, *offer]) == 1
     assert cluster.lrange(keys.queue_key(MODEL, "paid"), 0, -1) == [
         b'{"properties":{"priority":0},"body":"MSG-att-f"}'
     ]  # the message its owner record kept

@@ -238,9 +238,25 @@ def test_rescue_pushes_back_a_request_a_dead_replica_popped_and_never_recorded(s
     message = state.rpop(queue).decode()  # type: ignore[union-attr]  # popped, then the replica died
     offer = scripts.RescueOffer("a1", "acme:r1", queue, waiting, FAR_MS, NOW_MS)
     rescue = scripts.Rescue(state)
+    assert rescue.look(265, [offer]) == {"a1"}
+    assert state.llen(queue) == 0  # looking pushes nothing back
     assert rescue(265, [offer]) == 1
-    assert rescue(265, [offer]) == 0  # it is in its queue now
+    assert rescue.look(265, [offer]) == set()  # it is in its queue now
+    assert rescue(265, [offer]) == 0
     assert state.lrange(queue, 0, -1) == [message.encode()]
+
+
+def test_rescue_looks_past_a_request_still_in_its_queue_or_held(state: redis.Redis) -> None:
+    """What a live replica has recorded, or has not popped yet, is no one's to push back."""
+    _hold(state, "r1", "acme:r1", "a1", FAR_MS)  # popped and recorded by a live replica
+    _admit(state, "acme:r2", "a2")  # not popped yet
+    queue, waiting = keys.queue_key(MODEL, "paid"), keys.waiting_key(MODEL, "paid")
+    pairs = (("a1", "acme:r1"), ("a2", "acme:r2"))
+    offers = [scripts.RescueOffer(a, k, queue, waiting, FAR_MS, NOW_MS) for a, k in pairs]
+    rescue = scripts.Rescue(state)
+    assert rescue.look(265, offers) == set()
+    assert rescue(265, offers) == 0
+    assert state.llen(queue) == 1
 
 
 def test_a_listener_token_is_its_holders_alone_and_its_lapse_is_no_death(state: redis.Redis) -> None:

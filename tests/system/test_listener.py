@@ -4,6 +4,7 @@ the listener token, instead of sharing it out in small batches that start togeth
 from __future__ import annotations
 
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -96,3 +97,35 @@ def test_what_a_stopped_listener_took_comes_back_when_its_pulse_lapses() -> None
         meta = answer.json()["keybatch"]
         assert meta["replica"] != holder.decode()
         assert int(state.get(keys.DEATHS_KEY) or 0) > deaths  # the lapse was seen
+
+
+def test_a_stopped_listeners_last_pull_is_gone_before_the_next_arrival() -> None:
+    """The holder is stopped right after it sent a pull (BRPOP), so that pull is out for
+    its whole wait on the broker. A request sent 0.3 s after the gateway saw the holder's
+    pulse lapse goes to the replica that listens now: the stopped pull has timed out
+    (`PULL_WAIT_S`, and a broker tick), and only the new holder's is out. With kombu's
+    default wait (1 s) the stopped pull would still be out, first in line, and would take
+    the request after the rescue rounds had run."""
+    with deployment(workers=2, max_batch="16", hedge="off", single_listener="true") as kb:
+        state = redis.Redis.from_url(kb.system.redis_url)
+        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
+        holder = state.get(keys.listener_key(MODEL))
+        assert holder is not None
+        victim = next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
+        deaths = int(state.get(keys.DEATHS_KEY) or 0)
+        with state.monitor() as monitor:  # idle, only the holder pulls: the next BRPOP is its
+            for command in monitor.listen():
+                if str(command["command"]).upper().startswith("BRPOP"):
+                    victim.send_signal(signal.SIGSTOP)
+                    break
+        try:
+            assert until(lambda: int(state.get(keys.DEATHS_KEY) or 0) > deaths, 3, 0.005)
+            time.sleep(0.3)  # the arrival's moment, not a wait for a mechanism
+            pulls = [c for c in state.client_list() if c.get("cmd") == "brpop" and "b" in c.get("flags", "")]
+            assert len(pulls) <= 1, pulls  # the new holder's, if it is between two
+            answer = kb.post({"model": MODEL, "prompt": "after the lapse"})
+        finally:
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(5)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["keybatch"]["replica"] != holder.decode()
