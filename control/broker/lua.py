@@ -796,13 +796,16 @@ return out
 # a member left by a dead replica whose request was re-queued, nor one handed back to the
 # queue), its copy is recorded (`K.copy`: the sweep leaves the request to the copy's
 # replica when the first one dies) and its queue message returned.
-# ARGV: model, replica, then the members chosen to copy. Returns the copies' queue messages.
+# With claimed only (an idle replica's batch of copies), a member whose request is not
+# running yet (buffered, no claim) is left in the set, not copied: its own batch starts soon.
+# ARGV: model, replica, claimed only (1 or 0), then the members chosen to copy. Returns the
+# copies' queue messages.
 HEDGE_LUA = (
     LUA_LIB
     + """
-local running, me, now = K.running .. ARGV[1], ARGV[2], now_ms()
+local running, me, now, claimed_only = K.running .. ARGV[1], ARGV[2], now_ms(), ARGV[3] == '1'
 local out = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local member = ARGV[i]
   local deadline = tonumber(redis.call('ZSCORE', running, member))
   if deadline and deadline <= now then deadline = nil end  -- past: the next claim's trim takes it
@@ -811,11 +814,16 @@ for i = 3, #ARGV do
     at = at and string.find(member, '|', at + 1, true)
     cuts[#cuts + 1] = at
   end
+  local att, runner, claim = '', '', false
+  if deadline and at then
+    att, runner = member:sub(1, cuts[1] - 1), member:sub(cuts[1] + 1, cuts[2] - 1)
+    claim = redis.call('GET', K.claim .. att)
+    if claimed_only and claim ~= runner then deadline = nil end
+  end
   if deadline and at then
     redis.call('ZREM', running, member)
-    local att, runner, key = member:sub(1, cuts[1] - 1), member:sub(cuts[1] + 1, cuts[2] - 1), member:sub(cuts[5] + 1)
+    local key = member:sub(cuts[5] + 1)
     local owner = get_owner(key)
-    local claim = redis.call('GET', K.claim .. att)
     local runs = runner ~= me and (claim == runner or (not claim and redis.call('HEXISTS', K.held .. runner, att) == 1))
     if owner and runs and lease_alive(runner) and redis.call('EXISTS', K.cancel .. att, K.copy .. att) == 0 then
       local _, _, _, owner_att, _, message = owner_parts(owner)

@@ -308,8 +308,8 @@ class Hedge(_Registered):
 
     SOURCE = HEDGE_LUA
 
-    def __call__(self, model: str, replica: str, chosen: Sequence[str]) -> list[bytes]:
-        return list(self._run([keys.running_key(model)], [model, replica, *chosen]))
+    def __call__(self, model: str, replica: str, chosen: Sequence[str], claimed_only: bool = False) -> list[bytes]:
+        return list(self._run([keys.running_key(model)], [model, replica, int(claimed_only), *chosen]))
 
 
 class Supersede(_Registered):

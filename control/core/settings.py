@@ -198,6 +198,12 @@ class Settings(BaseSettings):
         "on another host (paid ones first), so a lost host's requests are answered by the copy; "
         "off, paid (paid requests only) or all",
     )
+    hedge_idle: bool = Field(
+        False,
+        description="an idle replica that is not listening, with two more of its model idle, runs a batch "
+        "of second copies of requests running on another host (HEDGE says which): at low load, where no "
+        "batch runs that a copy could ride",
+    )
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: Literal["watched", "always", "off"] = Field(
         "watched",

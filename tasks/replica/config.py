@@ -23,6 +23,7 @@ class ReplicaConfig:
     max_clock_error_ms: float = 25.0
     host: str = ""  # the host it runs on ("": this machine's name)
     hedge: HedgeMode = "off"  # free-slot hedging (tasks/policy/hedging.py): off, paid or all
+    hedge_idle: bool = False  # idle, not listening, two more idle: a batch of copies of what runs elsewhere
     hand_back: bool = True  # what a pull sent before the gate shut brings goes back to the queue
     hand_back_rest: bool = False  # what a static batch leaves in the buffer goes back for a peer's start
     single_listener: bool = False  # idle, it waits on the queue only while it holds its model's listener token

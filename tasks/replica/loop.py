@@ -45,6 +45,10 @@ BROKER_DOUBT_MS = 1000.0
 # Why a buffered request left with no notice: it can no longer finish a batch here, and a
 # copy of it runs on another host's replica, which may still answer it in time.
 TO_COPY = "to_copy"
+# HEDGE_IDLE: an idle replica looks for requests to copy at most this often, and only while
+# this many other replicas of its model are idle too (the one that listens among them).
+IDLE_LOOK_MS = 50.0
+IDLE_SPARE = 2
 # How far past the take's start its expiry check may fall (the round trip between): the
 # requests that may expire at the take are the ones whose copy keys it reads.
 EXPIRY_LOOKAHEAD_MS = 50.0
@@ -60,6 +64,8 @@ class Loop:
         )
         self.in_hand: list[Pending] = []  # taken from the buffer, not yet answered nor in the engine
         intake.copyable = replica.config.hedge != "off" and not replica.engine.continuous
+        self.copies_while_idle = intake.copyable and replica.config.hedge_idle
+        self._looked_ms = 0.0  # when an idle turn last looked for copies to run
 
     def run(self) -> None:
         r = self.replica
@@ -74,6 +80,10 @@ class Loop:
                     started = monotonic_ms()  # the take's start: a policy times its lead from it
                     self.in_hand, dropped, rest = self.take()
                     self.in_hand = self.settle(self.in_hand, dropped, rest)
+                    self.policy.run(self.in_hand, started)
+                elif self._may_copy_while_idle():
+                    started = monotonic_ms()
+                    self.in_hand = self.copy_while_idle()
                     self.policy.run(self.in_hand, started)
             except Exception as exc:  # Redis away, a bad message: never let the loop die
                 if isinstance(exc, BrokerError):
@@ -236,29 +246,25 @@ class Loop:
         neither held nor claimed here: the first answer wins, the other is counted as a
         wasted hedge. One script call, only when there is something to copy."""
         r = self.replica
-        host = r.host()
         # A copy no longer than the batch's own requests: it must not make the batch longer.
         longest = max(held(pd).job.max_tokens for pd in batch)
-        ids = {pd.id for pd in batch}
-        candidates = []
-        for raw, deadline in running:
-            try:
-                entry = records.parse_running(raw)
-            except ValueError:
-                continue  # another version's member: it leaves the set at its deadline
-            if entry.attempt not in ids and entry.max_tokens <= longest:
-                tier = PAID if entry.tier == PAID else FREE
-                candidates.append(hedging.Candidate(raw.decode(), tier, deadline, entry.host))
+        candidates = _candidates(running, {pd.id for pd in batch}, longest)
         room = r.collector.config.max_batch - len(batch)
+        return self._take_copies(room, finish_ms, candidates, claimed_only=False)
+
+    def _take_copies(
+        self, room: int, finish_ms: float, candidates: list[hedging.Candidate], claimed_only: bool
+    ) -> list[Pending]:
+        r = self.replica
         margin = r.collector.config.margin_ms
-        chosen = [c.key for c in hedging.pick(r.config.hedge, room, host, finish_ms, margin, candidates)]
+        chosen = [c.key for c in hedging.pick(r.config.hedge, room, r.host(), finish_ms, margin, candidates)]
         if not chosen:
             return []
         try:
-            taken = r.broker.hedge(r.model, chosen)
+            taken = r.broker.hedge(r.model, chosen, claimed_only)
         except BrokerError:
             r.doubt.failed()
-            log.warning("could not take second copies for the batch's empty slots")
+            log.warning("could not take second copies of requests running elsewhere")
             return []
         copies = []
         for job, _raw in taken:
@@ -266,6 +272,46 @@ class Loop:
             held(pending).copy = True
             copies.append(pending)
         r.stats.hedged += len(copies)
+        return copies
+
+    # -- copies while idle (HEDGE_IDLE) ----------------------------------------------------
+
+    def _may_copy_while_idle(self) -> bool:
+        """Idle, nothing buffered, not the replica that listens for the model's arrivals,
+        and not looked in the last `IDLE_LOOK_MS`."""
+        r = self.replica
+        if not self.copies_while_idle or r.busy or not r.is_taking() or self.policy.running():
+            return False
+        if r.config.single_listener and r.gate.listens:
+            return False
+        now = monotonic_ms()
+        if now - self._looked_ms < IDLE_LOOK_MS:
+            return False
+        with r.cond:
+            if len(r.collector):
+                return False
+        self._looked_ms = now
+        return True
+
+    def copy_while_idle(self) -> list[Pending]:
+        """A batch of second copies of requests running on other hosts, on this idle
+        replica, while `IDLE_SPARE` more replicas of the model stay idle for new arrivals:
+        at low load no batch runs that a copy could ride, and a lost host's batch would
+        end 504 (it is noticed only when its lease lapses). Only requests whose batch
+        runs: one buffered starts soon where it is."""
+        r = self.replica
+        now = r.clock.now_ms()
+        finish = now + r.engine.expected_batch_ms()  # the engine is idle: it starts now
+        idle, running = r.broker.copy_work(r.model, now, finish + r.collector.config.margin_ms)
+        if idle < 1 + IDLE_SPARE or not running:
+            return []
+        copies = self._take_copies(r.collector.config.max_batch, finish, _candidates(running, set(), None), True)
+        if copies:
+            r.broker.leave_idle_list(r.model)
+            with r.cond:
+                r.start_batch(now, r.engine.expected_batch_ms())
+                r.batch_started = monotonic_ms()
+            r.stats.idle_copy_batches += 1
         return copies
 
     def _keep_claimed(self, batch: list[Pending], claimed: list[bool]) -> list[Pending]:
@@ -376,3 +422,18 @@ class Loop:
         r.busy = running
         r.wake()
         r.events.failed(batch, message)
+
+
+def _candidates(running: list[tuple[bytes, float]], exclude: set[str], longest: int | None) -> list[hedging.Candidate]:
+    """The running set's members a copy may be made of: not in `exclude`, and no longer than
+    `longest` tokens where a batch must not run longer for a copy."""
+    candidates = []
+    for raw, deadline in running:
+        try:
+            entry = records.parse_running(raw)
+        except ValueError:
+            continue  # another version's member: it leaves the set at its deadline
+        if entry.attempt not in exclude and (longest is None or entry.max_tokens <= longest):
+            tier = PAID if entry.tier == PAID else FREE
+            candidates.append(hedging.Candidate(raw.decode(), tier, deadline, entry.host))
+    return candidates

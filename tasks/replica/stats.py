@@ -22,6 +22,7 @@ class Stats:
     hedged: int = 0  # second copies (hedges) run in a batch's empty slots
     hedge_wins: int = 0  # of those, the ones that answered their request first
     hedge_wasted: int = 0  # of those, the ones whose request was answered already (or gone)
+    idle_copy_batches: int = 0  # batches of copies only, run while idle (HEDGE_IDLE)
 
     def waste(self, slots: int, share_ms: float) -> None:
         self.wasted_slots += slots
@@ -46,6 +47,7 @@ class Stats:
             "hedged": self.hedged,
             "hedge_wins": self.hedge_wins,
             "hedge_wasted": self.hedge_wasted,
+            "idle_copy_batches": self.idle_copy_batches,
         }
         for reason in COUNTED_DROPS:
             fields[f"dropped_{reason}"] = self.dropped[reason]

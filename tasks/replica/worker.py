@@ -74,6 +74,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         single_listener=s.single_listener and s.collector == "native",
         host=s.host,
         hedge=s.hedge,
+        hedge_idle=s.hedge_idle,
     )
 
 

@@ -263,7 +263,7 @@ def test_every_lua_script_runs_on_one_shard_with_the_projects_keys(cluster: Redi
     cluster.set(keys.lease_key("r1"), 1, px=60_000)
     member = "att-g|r1|host-a|paid|16|t:g"
     cluster.zadd(keys.running_key(MODEL), {member: now + 60_000})  # as r1's claim adds it
-    assert s.hedge(keys=[keys.running_key(MODEL)], args=[MODEL, "r2", member]) == [
+    assert s.hedge(keys=[keys.running_key(MODEL)], args=[MODEL, "r2", 0, member]) == [
         b'{"properties":{"priority":0},"body":"MSG-att-g"}'
     ]
     assert cluster.get(keys.copy_key("att-g")) == b"r2"

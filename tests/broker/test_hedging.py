@@ -36,11 +36,19 @@ def state() -> Iterator[redis.Redis]:
 
 
 def _replica(
-    state: redis.Redis, name: str, host: str, batch_ms: float, hedge: HedgeMode, hand_back: bool = True
+    state: redis.Redis,
+    name: str,
+    host: str,
+    batch_ms: float,
+    hedge: HedgeMode,
+    hand_back: bool = True,
+    hedge_idle: bool = False,
 ) -> Replica:
     engine = FixedLatencyEngine(max_batch=4, batch_ms=batch_ms)
     collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=batch_ms)
-    config = ReplicaConfig(name, MODEL, collector, lease_ms=2000.0, host=host, hedge=hedge, hand_back=hand_back)
+    config = ReplicaConfig(
+        name, MODEL, collector, lease_ms=2000.0, host=host, hedge=hedge, hand_back=hand_back, hedge_idle=hedge_idle
+    )
     return Replica(config, engine, state, BrokerClock(state))
 
 
@@ -93,6 +101,35 @@ def test_an_empty_slot_on_another_host_answers_a_request_whose_own_run_is_slow(
     finally:
         quick.stop()
         slow.stop()
+
+
+@pytest.mark.parametrize("idlers", [3, 2], ids=["two-more-idle", "one-more-idle"])
+def test_an_idle_replica_on_another_host_runs_a_copy_of_a_request_whose_own_run_is_slow(
+    state: redis.Redis, idlers: int
+) -> None:
+    """No batch runs that a copy could ride (low load): with HEDGE_IDLE an idle replica on
+    another host runs a batch of copies, while two more of the model's replicas stay idle
+    for new arrivals; with only one more idle, none does."""
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    slow = _replica(state, "r-slow", "host-a", 3_000.0, "all", hedge_idle=True)  # as good as lost
+    idle = [_replica(state, f"r-idle-{i}", "host-b", 100.0, "all", hedge_idle=True) for i in range(idlers)]
+    for replica in (slow, *idle):
+        replica.start()
+    try:
+        assert until(lambda: state.zcard(keys.idle_key(MODEL)) == 1 + idlers, 5)
+        slow.submit(_admit(state, messages, 1, "paid", BrokerClock(state).now_ms()))
+        assert until(lambda: slow.busy, 5)
+        items: dict[str, list[dict]] = {}
+        if idlers < 3:
+            assert not until(lambda: _answers(state, items) >= 1, 1.0)
+            assert sum(r.stats.hedged for r in idle) == 0
+            return
+        assert until(lambda: _answers(state, items) >= 1, 5)
+        assert items["a1"][0]["hedged"] is True and items["a1"][0]["replica"].startswith("r-idle-")
+        assert sum(r.stats.idle_copy_batches for r in idle) == 1 and sum(r.stats.hedge_wins for r in idle) == 1
+    finally:
+        for replica in (*idle, slow):
+            replica.stop()
 
 
 @contextmanager
