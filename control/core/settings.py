@@ -199,10 +199,10 @@ class Settings(BaseSettings):
         "off, paid (paid requests only) or all",
     )
     hedge_idle: bool = Field(
-        False,
-        description="an idle replica that is not listening, with two more of its model idle, runs a batch "
-        "of second copies of requests running on another host (HEDGE says which): at low load, where no "
-        "batch runs that a copy could ride",
+        True,
+        description="an idle replica that is not listening, while two more of its model and half of them "
+        "are idle, runs a batch of second copies of requests running on another host (HEDGE says which): "
+        "at low load no batch runs that a copy could ride",
     )
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: Literal["watched", "always", "off"] = Field(

@@ -44,6 +44,12 @@ class Taken(NamedTuple):
     copied: set[str]  # buffered requests another replica runs a copy of
 
 
+class CopyWork(NamedTuple):
+    idle: int  # replicas of the model in its idle list
+    launched: int  # replicas of the model in its launch list (every one that ran a batch)
+    running: list[tuple[bytes, float]]  # members of its running set a copy may still answer (member, deadline)
+
+
 class Settled(NamedTuple):
     claimed: list[bool]  # per launched request: this replica runs it
     peers_idle: bool  # a peer is idle
@@ -319,15 +325,17 @@ class ReplicaBroker:
         their jobs and messages."""
         return _jobs_of(self._hedge(model, self.name, chosen, claimed_only) or [], "running")
 
-    def copy_work(self, model: str, now_ms: float, scan_from_ms: float) -> tuple[int, list[tuple[bytes, float]]]:
-        """For an idle replica's batch of copies: how many replicas of the model are idle,
-        and the members of its running set (member, deadline) that a batch starting now
-        could still answer in time (`scan_from_ms`), earliest deadline first."""
+    def copy_work(self, model: str, now_ms: float, scan_from_ms: float) -> CopyWork:
+        """For an idle replica's batch of copies: how many replicas of the model are idle
+        and how many have launched a batch, and the members of its running set (member,
+        deadline) that a batch starting now could still answer in time (`scan_from_ms`),
+        earliest deadline first."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.zcount(keys.idle_key(model), now_ms, "+inf")
+        pipe.zcard(keys.launch_key(model))
         pipe.zrangebyscore(keys.running_key(model), int(scan_from_ms), "+inf", 0, HEDGE_SCAN, withscores=True)
-        idle, running = pipe.execute()
-        return int(idle), running
+        idle, launched, running = pipe.execute()
+        return CopyWork(int(idle), int(launched), running)
 
     def leave_idle_list(self, model: str) -> None:
         """Out of the idle list for a batch that no claim announces (a batch of copies)."""

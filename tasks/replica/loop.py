@@ -18,6 +18,7 @@ cycle). Both policies run these same phases; `policies.py` holds only what diffe
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -46,9 +47,11 @@ BROKER_DOUBT_MS = 1000.0
 # copy of it runs on another host's replica, which may still answer it in time.
 TO_COPY = "to_copy"
 # HEDGE_IDLE: an idle replica looks for requests to copy at most this often, and only while
-# this many other replicas of its model are idle too (the one that listens among them).
+# this many other replicas of its model are idle too (the one that listens among them), and
+# at least this share of them: at low load, not where new arrivals need the idle ones.
 IDLE_LOOK_MS = 50.0
 IDLE_SPARE = 2
+IDLE_SHARE = 0.5
 # How far past the take's start its expiry check may fall (the round trip between): the
 # requests that may expire at the take are the ones whose copy keys it reads.
 EXPIRY_LOOKAHEAD_MS = 50.0
@@ -295,17 +298,18 @@ class Loop:
 
     def copy_while_idle(self) -> list[Pending]:
         """A batch of second copies of requests running on other hosts, on this idle
-        replica, while `IDLE_SPARE` more replicas of the model stay idle for new arrivals:
+        replica, while `IDLE_SPARE` more replicas of the model stay idle for new arrivals,
+        and half of them or more are idle:
         at low load no batch runs that a copy could ride, and a lost host's batch would
         end 504 (it is noticed only when its lease lapses). Only requests whose batch
         runs: one buffered starts soon where it is."""
         r = self.replica
         now = r.clock.now_ms()
         finish = now + r.engine.expected_batch_ms()  # the engine is idle: it starts now
-        idle, running = r.broker.copy_work(r.model, now, finish + r.collector.config.margin_ms)
-        if idle < 1 + IDLE_SPARE or not running:
+        work = r.broker.copy_work(r.model, now, finish + r.collector.config.margin_ms)
+        if work.idle < max(1 + IDLE_SPARE, math.ceil(work.launched * IDLE_SHARE)) or not work.running:
             return []
-        copies = self._take_copies(r.collector.config.max_batch, finish, _candidates(running, set(), None), True)
+        copies = self._take_copies(r.collector.config.max_batch, finish, _candidates(work.running, set(), None), True)
         if copies:
             r.broker.leave_idle_list(r.model)
             with r.cond:

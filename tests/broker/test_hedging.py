@@ -103,13 +103,16 @@ def test_an_empty_slot_on_another_host_answers_a_request_whose_own_run_is_slow(
         slow.stop()
 
 
-@pytest.mark.parametrize("idlers", [3, 2], ids=["two-more-idle", "one-more-idle"])
+@pytest.mark.parametrize(
+    ("idlers", "busy_elsewhere"), [(3, 0), (2, 0), (3, 6)], ids=["two-more-idle", "one-more-idle", "most-busy"]
+)
 def test_an_idle_replica_on_another_host_runs_a_copy_of_a_request_whose_own_run_is_slow(
-    state: redis.Redis, idlers: int
+    state: redis.Redis, idlers: int, busy_elsewhere: int
 ) -> None:
     """No batch runs that a copy could ride (low load): with HEDGE_IDLE an idle replica on
     another host runs a batch of copies, while two more of the model's replicas stay idle
-    for new arrivals; with only one more idle, none does."""
+    for new arrivals; with only one more idle, none does, nor where fewer than half of the
+    model's replicas are idle (six more have launched batches and are not idle)."""
     messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
     slow = _replica(state, "r-slow", "host-a", 3_000.0, "all", hedge_idle=True)  # as good as lost
     idle = [_replica(state, f"r-idle-{i}", "host-b", 100.0, "all", hedge_idle=True) for i in range(idlers)]
@@ -117,10 +120,12 @@ def test_an_idle_replica_on_another_host_runs_a_copy_of_a_request_whose_own_run_
         replica.start()
     try:
         assert until(lambda: state.zcard(keys.idle_key(MODEL)) == 1 + idlers, 5)
+        if busy_elsewhere:
+            state.zadd(keys.launch_key(MODEL), {f"r-busy-{i}": 1.0 for i in range(busy_elsewhere)})
         slow.submit(_admit(state, messages, 1, "paid", BrokerClock(state).now_ms()))
         assert until(lambda: slow.busy, 5)
         items: dict[str, list[dict]] = {}
-        if idlers < 3:
+        if idlers < 3 or busy_elsewhere:
             assert not until(lambda: _answers(state, items) >= 1, 1.0)
             assert sum(r.stats.hedged for r in idle) == 0
             return
