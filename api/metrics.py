@@ -271,7 +271,13 @@ class _FleetCollector(Collector):
             "Results run for a request already answered (a re-queued copy) or whose client had gone",
             value=self.fleet.num_wasted,
         )
-        yield from (ready, batches, served, buffered, dropped, wasted)
+        copies_wasted = CounterMetricFamily(
+            "keybatch_hedge_copies_wasted",
+            "Second copies (hedges) run for a request answered first by its own run, whole deployment (kept "
+            "in the broker: a replica's restart does not reset it)",
+            value=self.fleet.num_hedge_wasted,
+        )
+        yield from (ready, batches, served, buffered, dropped, wasted, copies_wasted)
 
 
 def scrape_allowed(settings: Settings, authorization: str | None) -> bool:

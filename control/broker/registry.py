@@ -117,6 +117,7 @@ class FleetView:
         self.replicas: list[ReplicaInfo] = []
         self._capacity: dict[str, Capacity] = {}  # per model, for the `replicas` read last
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
+        self.num_hedge_wasted = 0  # second copies whose request was answered first, whole deployment
         self.is_reachable = False
         self.read_at = 0.0  # time.monotonic() of the last successful read
         self.as_of_ms = 0.0  # the broker's time of the registry state in `replicas`
@@ -144,7 +145,7 @@ class FleetView:
         registry older than what a direct read found is not taken: the replica seen come
         back would be gone again until the next sweep."""
         try:
-            digest, wasted = self.client.mget([keys.FLEET_KEY, keys.WASTED_KEY])
+            digest, wasted, hedge_wasted = self.client.mget([keys.FLEET_KEY, keys.WASTED_KEY, keys.HEDGE_WASTED_KEY])
             if direct or digest is None:
                 as_of_ms, replicas = _read_fleet(self.client, self.cell)
             else:
@@ -152,6 +153,7 @@ class FleetView:
             if not 0 < self.as_of_ms - as_of_ms < CLOCK_STEP_MS:
                 self.replicas, self._capacity, self.as_of_ms = replicas, {}, as_of_ms
             self.num_wasted = int(wasted or 0)
+            self.num_hedge_wasted = int(hedge_wasted or 0)
             self.is_reachable = True
             self.read_at = time.monotonic()
         except redis.RedisError:
@@ -216,6 +218,10 @@ class FleetViews:
     @property
     def num_wasted(self) -> int:
         return sum(view.num_wasted for view in self.views)
+
+    @property
+    def num_hedge_wasted(self) -> int:
+        return sum(view.num_hedge_wasted for view in self.views)
 
     def refresh(self, direct: bool = False) -> None:
         for view in self.views:

@@ -32,6 +32,7 @@ COUNTERS = {
     "keybatch_cancels_total": "cancels",
     "keybatch_dropped_before_batch_total": "dropped_before_batch",
     "keybatch_hedged_answers_total": "hedged_answers",
+    "keybatch_hedge_copies_wasted_total": "hedge_copies_wasted",
 }
 
 

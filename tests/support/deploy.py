@@ -64,11 +64,13 @@ def deployment(
     model: str = MODEL,
     models: tuple[str, ...] = (),
     collector: Collector | None = None,
+    replicas_per_host: int = 0,
     **env: str,
 ) -> Iterator[Deployment]:
     """Start a whole keybatch (broker, replicas, gateway) with the given KEYBATCH_ settings;
     `models` (default: `model` alone) get the workers round robin; `collector` is
-    KEYBATCH_COLLECTOR (chord: docs/decisions/0001; None: the environment's, or native)."""
+    KEYBATCH_COLLECTOR (chord: docs/decisions/0001; None: the environment's, or native);
+    `replicas_per_host` groups the replicas into simulated hosts (`keybatch up`)."""
     if collector is not None:
         env = {**env, "collector": collector}
     plan = Plan(
@@ -78,6 +80,7 @@ def deployment(
         models=list(models or (model,)),
         port=free_port(),
         quiet=not os.environ.get("KEYBATCH_TEST_VERBOSE"),
+        replicas_per_host=replicas_per_host,
     )
     with in_process(plan, {PAID_KEY: "paid", FREE_KEY: "free"}, env) as system:
         d = Deployment(system, system.url)

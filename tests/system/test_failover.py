@@ -192,3 +192,42 @@ def test_a_request_a_replica_took_and_died_with_before_recording_it_is_queued_ag
         # None waited for its deadline: the one the stopped replica took came back within
         # its pulse (100 ms), the sweep (100 ms) and the rescue's delay (30 ms).
         assert max(a.elapsed.total_seconds() for a in answers) < 4.0
+
+
+@pytest.mark.parametrize("hedge_idle", ["true", "false"])
+def test_a_request_whose_host_is_lost_at_low_load_is_answered_by_an_idle_replicas_copy(hedge_idle: str) -> None:
+    """Four idle replicas as two hosts of two: one request's batch starts, and its host is
+    stopped (no signal to anyone). No other batch runs that a copy could ride; with
+    HEDGE_IDLE an idle replica of the other host runs a batch of its copy and answers it
+    within the default budget. Without it, the lease lapses too late to run it again: 504."""
+    with deployment(workers=4, max_batch="16", replicas_per_host=2, hedge_idle=hedge_idle) as kb:
+        state = redis.Redis.from_url(kb.system.redis_url)
+        # Every replica idle (the warm-up requests' copies ran too), then a claim to tell apart.
+        assert until(lambda: state.zcard(keys.idle_key(MODEL)) == 4, 5, 0.01)
+        # The warm-up requests ran on idle replicas: copies, answered first by their own runs.
+        copies_wasted = kb.metric("keybatch_hedge_copies_wasted_total")
+        assert copies_wasted >= 1 if hedge_idle == "true" else copies_wasted == 0
+        warm = set(state.keys(keys.claim_key("*")))
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(kb.post, {"model": MODEL, "prompt": "its host is lost"})
+            assert until(lambda: bool(set(state.keys(keys.claim_key("*"))) - warm) or sent.done(), 5, 0.002)
+            [claim] = set(state.keys(keys.claim_key("*"))) - warm
+            runner = state.get(claim)
+            assert runner is not None
+            host = runner.decode().split("@")[1]
+            victims = [w for w in kb.system.workers if replica_for(kb, w.pid).endswith(f"@{host}")]
+            assert len(victims) == 2
+            for victim in victims:
+                victim.send_signal(signal.SIGSTOP)
+            try:
+                answer = sent.result(10)
+            finally:
+                for victim in victims:
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait(5)
+        if hedge_idle == "false":
+            assert answer.status_code == 504, answer.text
+            return
+        assert answer.status_code == 200, answer.text
+        meta = answer.json()["keybatch"]
+        assert meta["hedged"] is True and not meta["replica"].endswith(f"@{host}")
