@@ -638,9 +638,9 @@ class Gateway:
     def _rescue_rounds(self, cell: Cell, min_ms: float) -> None:
         """Two RESCUE rounds after a death: at once, and once the dead replica's last pull
         has timed out on the broker (what it took after the first round)."""
-        cell.rescuing = False  # a death counted from now on calls rounds of its own
         started = time.monotonic()
         self._rescue_waiting(cell, min_ms)
+        cell.rescuing = False  # a death counted from now on calls rounds of its own
         time.sleep(max(0.0, started + RESCUE_AGAIN_S - time.monotonic()))
         self._rescue_waiting(cell, min_ms)
 

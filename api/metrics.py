@@ -273,8 +273,8 @@ class _FleetCollector(Collector):
         )
         copies_wasted = CounterMetricFamily(
             "keybatch_hedge_copies_wasted",
-            "Second copies (hedges) run for a request answered first by its own run, whole deployment (kept "
-            "in the broker: a replica's restart does not reset it)",
+            "Second copies (hedges) run for a request answered first by its own run, cancelled or expired, "
+            "whole deployment (kept in the broker: a replica's restart does not reset it)",
             value=self.fleet.num_hedge_wasted,
         )
         yield from (ready, batches, served, buffered, dropped, wasted, copies_wasted)

@@ -796,14 +796,19 @@ return out
 # a member left by a dead replica whose request was re-queued, nor one handed back to the
 # queue), its copy is recorded (`K.copy`: the sweep leaves the request to the copy's
 # replica when the first one dies) and its queue message returned.
-# With claimed only (an idle replica's batch of copies), a member whose request is not
-# running yet (buffered, no claim) is left in the set, not copied: its own batch starts soon.
-# ARGV: model, replica, claimed only (1 or 0), then the members chosen to copy. Returns the
-# copies' queue messages.
+# An idle replica's batch of copies passes the least number of the model's replicas that
+# must be idle (KEYS[2], the idle list, itself among them), or 0 for a batch's empty slots:
+# fewer idle, it takes nothing; a member whose request is not running yet (buffered, no
+# claim) is left in the set, not copied (its own batch starts soon); and a replica that
+# takes a copy leaves the idle list in the same call.
+# ARGV: model, replica, least idle, then the members chosen to copy. Returns the copies'
+# queue messages.
 HEDGE_LUA = (
     LUA_LIB
     + """
-local running, me, now, claimed_only = K.running .. ARGV[1], ARGV[2], now_ms(), ARGV[3] == '1'
+local running, me, now, least_idle = K.running .. ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3])
+local claimed_only = least_idle > 0
+if claimed_only and redis.call('ZCOUNT', KEYS[2], now, '+inf') < least_idle then return {} end
 local out = {}
 for i = 4, #ARGV do
   local member = ARGV[i]
@@ -834,6 +839,7 @@ for i = 4, #ARGV do
     end
   end
 end
+if claimed_only and #out > 0 then redis.call('ZREM', KEYS[2], me) end
 return out
 """
 )

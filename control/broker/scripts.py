@@ -308,8 +308,11 @@ class Hedge(_Registered):
 
     SOURCE = HEDGE_LUA
 
-    def __call__(self, model: str, replica: str, chosen: Sequence[str], claimed_only: bool = False) -> list[bytes]:
-        return list(self._run([keys.running_key(model)], [model, replica, int(claimed_only), *chosen]))
+    def __call__(self, model: str, replica: str, chosen: Sequence[str], least_idle: int = 0) -> list[bytes]:
+        """`least_idle` > 0: copies for an idle replica's batch of its own (claimed requests
+        only, while that many of the model's replicas are idle; it then leaves the idle list)."""
+        run_keys = [keys.running_key(model), keys.idle_key(model)]
+        return list(self._run(run_keys, [model, replica, least_idle, *chosen]))
 
 
 class Supersede(_Registered):

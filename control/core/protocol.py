@@ -28,7 +28,8 @@ FREE_PRIORITY = 6
 BEHIND_STEP = 3
 PRIORITY_STEPS = [PAID_PRIORITY, PAID_PRIORITY + BEHIND_STEP, FREE_PRIORITY, FREE_PRIORITY + BEHIND_STEP]
 PRIORITY_SEP = ":"  # kombu's `sep` transport option: "<queue><sep><priority>"
-# A replica's pull (kombu's BRPOP) waits this long on the broker before it is sent again.
+# A replica's pull (kombu's BRPOP) waits this long on the broker before it is sent again
+# (`kombu_internals.bound_pulls`).
 # A replica that stops without a word (its host gone) leaves its last pull out, and the
 # broker hands that pull the next arrival, which no one will run: this bounds how long.
 # The broker ends a wait at its next tick (every 100 ms at the default hz 10), so a pull

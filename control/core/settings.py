@@ -200,9 +200,9 @@ class Settings(BaseSettings):
     )
     hedge_idle: bool = Field(
         True,
-        description="an idle replica that is not listening, while two more of its model and half of them "
-        "are idle, runs a batch of second copies of requests running on another host (HEDGE says which): "
-        "at low load no batch runs that a copy could ride",
+        description="an idle replica that is not listening (any idle one without SINGLE_LISTENER), while two "
+        "more of its model and half of them are idle, runs a batch of second copies of requests running on "
+        "another host (HEDGE says which): at low load no batch runs that a copy could ride",
     )
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: Literal["watched", "always", "off"] = Field(

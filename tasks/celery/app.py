@@ -15,12 +15,10 @@ from control.core.settings import Settings
 
 def transport_options() -> dict[str, object]:
     # Two priority lists per model queue: paid (0) is popped before free (9).
-    # `polling_interval` is the Redis transport's BRPOP timeout (1 s by default).
     return {
         "priority_steps": p.PRIORITY_STEPS,
         "sep": p.PRIORITY_SEP,
         "queue_order_strategy": "priority",
-        "polling_interval": p.PULL_WAIT_S,
     }
 
 

@@ -32,6 +32,14 @@ def gate_pulls(channel: Any, wants: Callable[[], bool], on_shut: Callable[[], No
     qos.can_consume = MethodType(can_consume, qos)
 
 
+def bound_pulls(channel: Any, wait_s: float) -> None:
+    """Each pull (BRPOP) on `channel` waits at most `wait_s` on the broker before it is
+    sent again (the Redis transport's `brpop_timeout`, 1 s by default). Set on the channel,
+    not through the `polling_interval` transport option, which would also make every
+    synchronous `drain_events` sleep that long after an empty poll."""
+    channel.brpop_timeout = wait_s
+
+
 def is_polling(channel: Any) -> bool:
     """Has the channel a pull (BRPOP) in flight, whose message may still arrive?"""
     return bool(channel._in_poll)

@@ -319,11 +319,13 @@ class ReplicaBroker:
         *_, claimed, _, peers_idle, _, peer_launches = replies
         return Settled(scripts.Claim.answer(claimed), peers_idle > 0, self._others(peer_launches), found)
 
-    def hedge(self, model: str, chosen: list[str], claimed_only: bool = False) -> list[tuple[p.Job, str]]:
+    def hedge(self, model: str, chosen: list[str], least_idle: int = 0) -> list[tuple[p.Job, str]]:
         """Take copies of the `chosen` members of the model's running set that still run
-        where they were claimed, or (unless `claimed_only`) wait buffered there unclaimed:
-        their jobs and messages."""
-        return _jobs_of(self._hedge(model, self.name, chosen, claimed_only) or [], "running")
+        where they were claimed, or (for a batch's empty slots, `least_idle` 0) wait buffered
+        there unclaimed: their jobs and messages. `least_idle` > 0: for a batch of copies on
+        this idle replica, taken only while that many of the model's replicas are idle, and
+        this one then leaves the idle list."""
+        return _jobs_of(self._hedge(model, self.name, chosen, least_idle) or [], "running")
 
     def copy_work(self, model: str, now_ms: float, scan_from_ms: float) -> CopyWork:
         """For an idle replica's batch of copies: how many replicas of the model are idle
@@ -336,10 +338,6 @@ class ReplicaBroker:
         pipe.zrangebyscore(keys.running_key(model), int(scan_from_ms), "+inf", 0, HEDGE_SCAN, withscores=True)
         idle, launched, running = pipe.execute()
         return CopyWork(int(idle), int(launched), running)
-
-    def leave_idle_list(self, model: str) -> None:
-        """Out of the idle list for a batch that no claim announces (a batch of copies)."""
-        self.redis.zrem(keys.idle_key(model), self.name)
 
     def _leave_waiting(self, pipe: redis.client.Pipeline, model: str, leaving: list[p.Job]) -> None:
         """Out of the waiting sets admission counts: the tier's (in line or behind other

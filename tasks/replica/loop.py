@@ -253,10 +253,10 @@ class Loop:
         longest = max(held(pd).job.max_tokens for pd in batch)
         candidates = _candidates(running, {pd.id for pd in batch}, longest)
         room = r.collector.config.max_batch - len(batch)
-        return self._take_copies(room, finish_ms, candidates, claimed_only=False)
+        return self._take_copies(room, finish_ms, candidates, least_idle=0)
 
     def _take_copies(
-        self, room: int, finish_ms: float, candidates: list[hedging.Candidate], claimed_only: bool
+        self, room: int, finish_ms: float, candidates: list[hedging.Candidate], least_idle: int
     ) -> list[Pending]:
         r = self.replica
         margin = r.collector.config.margin_ms
@@ -264,7 +264,7 @@ class Loop:
         if not chosen:
             return []
         try:
-            taken = r.broker.hedge(r.model, chosen, claimed_only)
+            taken = r.broker.hedge(r.model, chosen, least_idle)
         except BrokerError:
             r.doubt.failed()
             log.warning("could not take second copies of requests running elsewhere")
@@ -304,18 +304,34 @@ class Loop:
         end 504 (it is noticed only when its lease lapses). Only requests whose batch
         runs: one buffered starts soon where it is."""
         r = self.replica
-        now = r.clock.now_ms()
-        finish = now + r.engine.expected_batch_ms()  # the engine is idle: it starts now
-        work = r.broker.copy_work(r.model, now, finish + r.collector.config.margin_ms)
-        if work.idle < max(1 + IDLE_SPARE, math.ceil(work.launched * IDLE_SHARE)) or not work.running:
+        if r.doubt.skips():
             return []
-        copies = self._take_copies(r.collector.config.max_batch, finish, _candidates(work.running, set(), None), True)
-        if copies:
-            r.broker.leave_idle_list(r.model)
-            with r.cond:
-                r.start_batch(now, r.engine.expected_batch_ms())
-                r.batch_started = monotonic_ms()
-            r.stats.idle_copy_batches += 1
+        now = r.clock.now_ms()
+        batch_ms = r.engine.expected_batch_ms()
+        finish = now + batch_ms  # the engine is idle: it starts now
+        try:
+            work = r.broker.copy_work(r.model, now, finish + r.collector.config.margin_ms)
+        except BrokerError:
+            r.doubt.failed()
+            log.warning("could not look for requests to copy while idle")
+            return []
+        least_idle = max(1 + IDLE_SPARE, math.ceil(work.launched * IDLE_SHARE))
+        if work.idle < least_idle or not work.running:
+            return []
+        candidates = _candidates(work.running, set(), None)
+        # Busy before the take: the gate shuts (what a pull already out brings goes back to
+        # the queue) and the listener's turn passes on, so no arrival waits behind copies.
+        with r.cond:
+            if len(r.collector) or r.busy or (r.config.single_listener and r.gate.listens):
+                return []
+            r.start_batch(now, batch_ms)
+        copies = self._take_copies(r.collector.config.max_batch, finish, candidates, least_idle)
+        with r.cond:
+            if not copies:
+                r.busy = False
+                return []
+            r.batch_started = monotonic_ms()
+        r.stats.idle_copy_batches += 1
         return copies
 
     def _keep_claimed(self, batch: list[Pending], claimed: list[bool]) -> list[Pending]:

@@ -239,8 +239,9 @@ class StaticPolicy:
         with r.cond:
             self.device.stage(batch)
         self.loop.in_hand = []  # the engine's now: `finish` answers them
-        self._prep_ms.append(monotonic_ms() - took_ms)
-        self._measured_lead_ms = 2 * statistics.median(self._prep_ms)
+        if not all(held(pending).copy for pending in batch):  # a batch of copies is no take's
+            self._prep_ms.append(monotonic_ms() - took_ms)
+            self._measured_lead_ms = 2 * statistics.median(self._prep_ms)
 
     def finish(self) -> None:
         """Answer the batches the engine finished (one delivery each), in order."""

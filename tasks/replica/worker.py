@@ -314,6 +314,7 @@ def _gate_consumer(c: Any, replica: Replica) -> None:
             c.hub.call_later(delay_s, _noop)
 
     kombu_internals.gate_pulls(c.task_consumer.channel, replica.wants_messages, reopen_timer)
+    kombu_internals.bound_pulls(c.task_consumer.channel, p.PULL_WAIT_S)
 
 
 def run_worker(

@@ -22,10 +22,12 @@ from kombu.connection import Connection as KombuConnection
 from kombu.exceptions import OperationalError
 
 from api.server.headers import read_headers
+from control.core import protocol as p
 from control.core.settings import Settings
 from control.fleet.valkey import EmbeddedBroker
 from tasks.celery import celery_internals, kombu_internals
 from tasks.celery.app import make_celery
+from tests.support.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +320,27 @@ def test_the_pull_gate_holds_messages_in_the_queue_until_it_opens(broker_url: st
                 except TimeoutError:
                     pass
     assert received == ["hello"]
+
+
+def test_a_bounded_pull_leaves_the_broker_within_its_wait(broker_url: str) -> None:
+    """The replica's pulls wait `PULL_WAIT_S` on the broker, not the transport's 1 s: one
+    sent on an empty queue is no longer blocked there a broker tick after that."""
+    queue = Queue("wait-contract", Exchange("wait-contract", type="direct"), routing_key="wait-contract")
+    admin = redis.Redis.from_url(broker_url)
+
+    def blocked() -> bool:
+        return any(c.get("cmd") == "brpop" and "b" in c.get("flags", "") for c in admin.client_list())
+
+    with Connection(broker_url) as conn:
+        channel = conn.channel()
+        kombu_internals.bound_pulls(channel, p.PULL_WAIT_S)
+        with Consumer(channel, [queue]):
+            started = time.monotonic()
+            with pytest.raises(socket.timeout):
+                conn.drain_events(timeout=0.05)  # sends one pull and leaves it out
+            assert until(blocked, 2, 0.002)
+            assert until(lambda: not blocked(), 1.0, 0.005)
+            assert time.monotonic() - started < p.PULL_WAIT_S + 0.3  # a tick of the broker (hz 10) and slack
 
 
 # -- Celery's event dispatcher: paced flushes --------------------------------------

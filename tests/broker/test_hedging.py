@@ -43,11 +43,12 @@ def _replica(
     hedge: HedgeMode,
     hand_back: bool = True,
     hedge_idle: bool = False,
+    lease_ms: float = 2000.0,
 ) -> Replica:
     engine = FixedLatencyEngine(max_batch=4, batch_ms=batch_ms)
     collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=batch_ms)
     config = ReplicaConfig(
-        name, MODEL, collector, lease_ms=2000.0, host=host, hedge=hedge, hand_back=hand_back, hedge_idle=hedge_idle
+        name, MODEL, collector, lease_ms=lease_ms, host=host, hedge=hedge, hand_back=hand_back, hedge_idle=hedge_idle
     )
     return Replica(config, engine, state, BrokerClock(state))
 
@@ -115,7 +116,10 @@ def test_an_idle_replica_on_another_host_runs_a_copy_of_a_request_whose_own_run_
     model's replicas are idle (six more have launched batches and are not idle)."""
     messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
     slow = _replica(state, "r-slow", "host-a", 3_000.0, "all", hedge_idle=True)  # as good as lost
-    idle = [_replica(state, f"r-idle-{i}", "host-b", 100.0, "all", hedge_idle=True) for i in range(idlers)]
+    # An idle replica looks at its lease's renewals: every 100 ms with a 300 ms lease.
+    idle = [
+        _replica(state, f"r-idle-{i}", "host-b", 100.0, "all", hedge_idle=True, lease_ms=300.0) for i in range(idlers)
+    ]
     for replica in (slow, *idle):
         replica.start()
     try:
@@ -126,8 +130,7 @@ def test_an_idle_replica_on_another_host_runs_a_copy_of_a_request_whose_own_run_
         assert until(lambda: slow.busy, 5)
         items: dict[str, list[dict]] = {}
         if idlers < 3 or busy_elsewhere:
-            assert not until(lambda: _answers(state, items) >= 1, 1.0)
-            assert sum(r.stats.hedged for r in idle) == 0
+            assert not until(lambda: sum(r.stats.hedged for r in idle) > 0, 1.0)  # ten looks, no copy
             return
         assert until(lambda: _answers(state, items) >= 1, 5)
         assert items["a1"][0]["hedged"] is True and items["a1"][0]["replica"].startswith("r-idle-")

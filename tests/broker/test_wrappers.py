@@ -455,8 +455,10 @@ def test_a_request_buffered_for_the_next_batch_is_copied_once_by_another_replica
     hedge = scripts.Hedge(state)
     assert hedge(MODEL, "r1", members[:1]) == []  # its own replica runs it anyway
     state.zadd(keys.running_key(MODEL), {members[0]: FAR_MS})
-    assert hedge(MODEL, "r2", members, claimed_only=True) == []  # an idle replica's batch of copies waits for its start
+    state.zadd(keys.idle_key(MODEL), {"r2": FAR_MS})
+    assert hedge(MODEL, "r2", members, least_idle=1) == []  # an idle replica's batch of copies waits for its start
     assert state.zcard(keys.running_key(MODEL)) == 2  # left in the set for a later look
+    state.delete(keys.idle_key(MODEL))
     state.hdel(keys.held_key("r1"), "a2")  # handed back to the queue
     assert hedge(MODEL, "r2", members) == [messages[0]]
     assert state.get(keys.copy_key("a1")) == b"r2" and state.get(keys.copy_key("a2")) is None
@@ -465,16 +467,20 @@ def test_a_request_buffered_for_the_next_batch_is_copied_once_by_another_replica
     assert hedge(MODEL, "r3", members[:1]) == []  # a copy runs already: one at most
 
 
-def test_an_idle_replicas_copy_takes_a_request_once_its_batch_runs(state: redis.Redis) -> None:
+def test_an_idle_replicas_copy_takes_a_request_once_its_batch_runs_while_enough_are_idle(state: redis.Redis) -> None:
     message = _hold(state, "r1", "acme:r1", "a1", FAR_MS)
     member = records.pack_running("a1", "r1", "host-a", "paid", 16, "acme:r1")
     state.zadd(keys.running_key(MODEL), {member: FAR_MS})
+    state.zadd(keys.idle_key(MODEL), {"r2": FAR_MS, "r3": FAR_MS})
     state.set(keys.lease_key("r1"), "1")
     hedge = scripts.Hedge(state)
-    assert hedge(MODEL, "r2", [member], claimed_only=True) == []  # buffered: not yet
+    assert hedge(MODEL, "r2", [member], least_idle=2) == []  # buffered: not yet
     assert scripts.Claim(state)("r1", 60_000, ["a1"]) == [True]
-    assert hedge(MODEL, "r2", [member], claimed_only=True) == [message]
+    assert hedge(MODEL, "r2", [member], least_idle=3) == []  # two idle, three wanted
+    assert state.zcard(keys.running_key(MODEL)) == 1
+    assert hedge(MODEL, "r2", [member], least_idle=2) == [message]
     assert state.get(keys.copy_key("a1")) == b"r2" and state.zcard(keys.running_key(MODEL)) == 0
+    assert state.zrange(keys.idle_key(MODEL), 0, -1) == [b"r3"]  # r2 left the idle list as it took the copy
 
 
 def test_a_member_left_by_a_dead_replica_is_not_copied_once_its_request_is_requeued(state: redis.Redis) -> None:
