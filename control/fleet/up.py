@@ -30,7 +30,7 @@ from control.fleet.valkey import EmbeddedBroker
 
 RESTART_FIRST_S = 0.5
 RESTART_MAX_S = 10.0
-HEALTHY_AFTER_S = 30.0  # a child that lived this long restarts at the first delay again
+HEALTHY_AFTER_S = 5.0  # a child that lived this long (booted and served) restarts at the first delay again
 POLL_S = 0.1  # SIGCHLD wakes the loop on a death; this bounds a missed one
 RELEASE_TIMEOUT_S = 0.5
 # A replica started again boots (Python, Celery: a second or two of a core) at a low

@@ -20,7 +20,7 @@ import redis
 
 from control.broker import keys
 from control.core.settings import Settings
-from control.fleet.up import RESTART_MAX_S, Backoff, Plan, System
+from control.fleet.up import HEALTHY_AFTER_S, RESTART_MAX_S, Backoff, Plan, System
 from control.fleet.valkey import EmbeddedBroker
 from tests.support.deploy import MODEL
 from tests.support.up import cmdline, keybatch_up
@@ -151,7 +151,7 @@ def test_the_default_is_two_replicas_per_model() -> None:
 def test_backoff_doubles_to_its_cap_and_resets_after_a_long_life() -> None:
     backoff = Backoff()
     assert [backoff.after_death(1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, RESTART_MAX_S, RESTART_MAX_S]
-    assert backoff.after_death(31.0) == 0.5
+    assert backoff.after_death(HEALTHY_AFTER_S + 1) == 0.5
     assert backoff.after_death(1.0) == 1.0
 
 
