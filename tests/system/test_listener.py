@@ -4,6 +4,7 @@ the listener token, instead of sharing it out in small batches that start togeth
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +33,18 @@ def _burst(kb: Deployment, state: redis.Redis, single: bool) -> list[int]:
     return sorted(sizes.values(), reverse=True)
 
 
+def _holder(kb: Deployment, state: redis.Redis) -> tuple[str, subprocess.Popen[bytes]]:
+    """The replica that holds the model's listener token once one does, and its process."""
+    assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
+    holder = state.get(keys.listener_key(MODEL))
+    assert holder is not None
+    return holder.decode(), next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
+
+
+def _deaths(state: redis.Redis) -> int:
+    return int(state.get(keys.DEATHS_KEY) or 0)
+
+
 @pytest.mark.parametrize("single", [True, False], ids=["single-listener", "every-idle-replica"])
 def test_a_burst_on_idle_replicas_goes_to_the_one_that_listens(single: bool) -> None:
     with deployment(workers=4, max_batch="16", hedge="off", single_listener=str(single).lower()) as kb:
@@ -53,14 +66,11 @@ def test_a_listener_that_stops_without_a_word_loses_its_turn_to_another_idle_rep
     lapses (the failover tests), so the deadline here is generous."""
     with deployment(workers=3, max_batch="16", hedge="off", single_listener="true") as kb:
         state = redis.Redis.from_url(kb.system.redis_url)
-        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
-        holder = state.get(keys.listener_key(MODEL))
-        assert holder is not None
-        victim = next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
+        holder, victim = _holder(kb, state)
         victim.send_signal(signal.SIGSTOP)
         try:
             # Another idle replica holds the token once the stopped one's lapses (150 ms).
-            assert until(lambda: state.get(keys.listener_key(MODEL)) not in (None, holder), 3, 0.005)
+            assert until(lambda: state.get(keys.listener_key(MODEL)) not in (None, holder.encode()), 3, 0.005)
             with ThreadPoolExecutor(6) as pool:
                 answers = list(
                     pool.map(
@@ -71,7 +81,7 @@ def test_a_listener_that_stops_without_a_word_loses_its_turn_to_another_idle_rep
             victim.send_signal(signal.SIGKILL)
             victim.wait(5)
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
-        assert holder.decode() not in {a.json()["keybatch"]["replica"] for a in answers}
+        assert holder not in {a.json()["keybatch"]["replica"] for a in answers}
 
 
 def test_what_a_stopped_listener_took_comes_back_when_its_pulse_lapses() -> None:
@@ -82,11 +92,8 @@ def test_what_a_stopped_listener_took_comes_back_when_its_pulse_lapses() -> None
     (600 ms)."""
     with deployment(workers=3, max_batch="16", hedge="off", single_listener="true") as kb:
         state = redis.Redis.from_url(kb.system.redis_url)
-        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
-        holder = state.get(keys.listener_key(MODEL))
-        assert holder is not None
-        victim = next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
-        deaths = int(state.get(keys.DEATHS_KEY) or 0)
+        holder, victim = _holder(kb, state)
+        deaths = _deaths(state)
         victim.send_signal(signal.SIGSTOP)
         try:
             answer = kb.post({"model": MODEL, "prompt": "taken"})
@@ -95,8 +102,8 @@ def test_what_a_stopped_listener_took_comes_back_when_its_pulse_lapses() -> None
             victim.wait(5)
         assert answer.status_code == 200, answer.text
         meta = answer.json()["keybatch"]
-        assert meta["replica"] != holder.decode()
-        assert int(state.get(keys.DEATHS_KEY) or 0) > deaths  # the lapse was seen
+        assert meta["replica"] != holder
+        assert _deaths(state) > deaths  # the lapse was seen
 
 
 def test_a_stopped_listeners_last_pull_is_gone_before_the_next_arrival() -> None:
@@ -108,18 +115,15 @@ def test_a_stopped_listeners_last_pull_is_gone_before_the_next_arrival() -> None
     the request after the rescue rounds had run."""
     with deployment(workers=2, max_batch="16", hedge="off", single_listener="true") as kb:
         state = redis.Redis.from_url(kb.system.redis_url)
-        assert until(lambda: state.get(keys.listener_key(MODEL)) is not None, 5, 0.005)
-        holder = state.get(keys.listener_key(MODEL))
-        assert holder is not None
-        victim = next(w for w in kb.system.workers if replica_for(kb, w.pid) == holder.decode())
-        deaths = int(state.get(keys.DEATHS_KEY) or 0)
+        holder, victim = _holder(kb, state)
+        deaths = _deaths(state)
         with state.monitor() as monitor:  # idle, only the holder pulls: the next BRPOP is its
             for command in monitor.listen():
                 if str(command["command"]).upper().startswith("BRPOP"):
                     victim.send_signal(signal.SIGSTOP)
                     break
         try:
-            assert until(lambda: int(state.get(keys.DEATHS_KEY) or 0) > deaths, 3, 0.005)
+            assert until(lambda: _deaths(state) > deaths, 3, 0.005)
             time.sleep(0.3)  # the arrival's moment, not a wait for a mechanism
             pulls = [c for c in state.client_list() if c.get("cmd") == "brpop" and "b" in c.get("flags", "")]
             assert len(pulls) <= 1, pulls  # the new holder's, if it is between two
@@ -128,4 +132,4 @@ def test_a_stopped_listeners_last_pull_is_gone_before_the_next_arrival() -> None
             victim.send_signal(signal.SIGKILL)
             victim.wait(5)
         assert answer.status_code == 200, answer.text
-        assert answer.json()["keybatch"]["replica"] != holder.decode()
+        assert answer.json()["keybatch"]["replica"] != holder
