@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import redis
 import requests
@@ -32,6 +33,20 @@ def fleet() -> Iterator[Deployment]:
 def _burst(kb: Deployment, n: int, **headers: str) -> list:
     pool = ThreadPoolExecutor(n)
     return [pool.submit(kb.post, {"model": MODEL, "prompt": f"def f{i}():\n"}, **headers) for i in range(n)]
+
+
+def _stop_after_its_pull(kb: Deployment, victim: subprocess.Popen[bytes]) -> None:
+    """Stop an idle replica right after it sent a pull (BRPOP), seen with MONITOR by the
+    port of one of its own connections. Stopped at any other moment it may be between two
+    pulls, or its last one may have timed out before the next arrival. Every idle replica
+    pulls only with SINGLE_LISTENER=false."""
+    ports = {str(c.laddr.port) for c in psutil.Process(victim.pid).net_connections(kind="tcp") if c.laddr}
+    state = redis.Redis.from_url(kb.system.redis_url, socket_timeout=5)  # no pull seen: fail, not hang
+    with state.monitor() as monitor:
+        for command in monitor.listen():
+            if str(command["command"]).upper().startswith("BRPOP") and command["client_port"] in ports:
+                victim.send_signal(signal.SIGSTOP)
+                return
 
 
 def test_a_replica_killed_mid_batch_loses_no_request() -> None:
@@ -163,7 +178,7 @@ def test_what_a_stopped_replicas_pull_took_comes_back_within_the_default_budget(
     sweep, it is too late for that budget (504 with PULSE_MS=0)."""
     with deployment(workers=3, single_listener="false", hedge="off") as kb:
         victim = kb.system.workers[0]
-        victim.send_signal(signal.SIGSTOP)  # idle: its pull (BRPOP) is outstanding
+        _stop_after_its_pull(kb, victim)  # its pull is out for its whole wait (0.1 s)
         try:
             futures = _burst(kb, 3)
             answers = [f.result(20) for f in futures]
@@ -179,9 +194,9 @@ def test_a_request_a_replica_took_and_died_with_before_recording_it_is_queued_ag
     """A stopped replica's outstanding pull still takes a message off the queue: the
     request is then in no queue and no held hash. Once the replica is found dead, the
     gateway that owns the request pushes it back, and the replica left answers it."""
-    with deployment(workers=2) as kb:
+    with deployment(workers=2, single_listener="false") as kb:
         victim = kb.system.workers[0]
-        victim.send_signal(signal.SIGSTOP)  # idle: its pull (BRPOP) is outstanding
+        _stop_after_its_pull(kb, victim)
         try:
             futures = _burst(kb, 8, **{"X-Deadline-Ms": "10000"})
             answers = [f.result(20) for f in futures]
