@@ -197,6 +197,7 @@ def create_completion() -> Response:
         received_ms=received,
         deadline_ms=received + budget,
         stream=req.stream,
+        stranded=peers.is_stranded(environ),
     )
     if session_key is not None and (reused := gw.reuse(job, session_key)) is not None:
         return _reused_answer(gw, job, request_id, *reused)
@@ -214,7 +215,7 @@ def create_completion() -> Response:
     try:
         body = _answer(gw, waiter)
     except ApiError as err:  # the region lost its broker or replicas while the request waited
-        forwarded = peers.forward(gw, job, err)
+        forwarded = peers.forward(gw, job, err, stranded=True)
         if forwarded is not None:
             return forwarded
         raise

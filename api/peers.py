@@ -8,6 +8,12 @@ not a 503 goes back to the client as the peer gave it. A forwarded request
 carries `X-Keybatch-Forwarded: <region>` and is never forwarded again, so two
 regions that list each other cannot bounce a request between them. docs/regions.md.
 
+A request the region had admitted, and then lost its broker or replicas under, is
+forwarded with `X-Keybatch-Stranded: 1`: everything that waited there is forwarded at
+that moment, a burst. The peer's replicas gather a stranded request until its deadline
+calls for a start, not only `max_wait` (tasks/policy/collector.py), so the burst rides
+one or two batches instead of one that starts with its first few.
+
 The gateway runs under gevent's monkey patching, so urllib3's blocking sockets
 yield to the other requests of the process while a peer answers.
 """
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORWARDED_HEADER = "X-Keybatch-Forwarded"
+STRANDED_HEADER = "X-Keybatch-Stranded"  # "1": it waited in the region that forwards it
 FORWARDABLE = frozenset({"no_replica", "broker_unavailable"})  # the region cannot serve; a peer may
 PASSED_REQUEST_HEADERS = ("Authorization", "X-Session-Id", "X-Request-Id")
 PASSED_RESPONSE_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id", "Cache-Control")
@@ -45,11 +52,17 @@ _EXTENSION = "keybatch.peers"
 _lock = threading.Lock()
 
 
-def forward(gw: Gateway, job: p.Job, refusal: ApiError) -> Response | None:
-    """A peer region's answer to the request this region refused, or None to keep the refusal."""
+def forward(gw: Gateway, job: p.Job, refusal: ApiError, stranded: bool = False) -> Response | None:
+    """A peer region's answer to the request this region refused, or None to keep the refusal.
+    `stranded`: the region refused it after admitting it (it lost its broker or replicas)."""
     if not is_forwardable(gw.settings, refusal):
         return None
-    return _peers(gw).forward(job, gw)
+    return _peers(gw).forward(job, gw, stranded)
+
+
+def is_stranded(environ: dict[str, object]) -> bool:
+    """Was this request forwarded by a peer region that had admitted it?"""
+    return "HTTP_X_KEYBATCH_FORWARDED" in environ and environ.get("HTTP_X_KEYBATCH_STRANDED") == "1"
 
 
 def is_forwardable(settings: Settings, refusal: ApiError) -> bool:
@@ -114,7 +127,7 @@ class Peers:
             registry=registry,
         )
 
-    def forward(self, job: p.Job, gw: Gateway) -> Response | None:
+    def forward(self, job: p.Job, gw: Gateway, stranded: bool) -> Response | None:
         body = request.get_data(cache=True)  # the handler parsed it already; the bytes are kept
         # A peer cannot run a batch in less than a batch time: the refusal stands then.
         least_ms = max(MIN_BUDGET_MS, gw.settings.batch_ms + gw.settings.deadline_margin_ms)
@@ -122,17 +135,19 @@ class Peers:
             budget_ms = job.deadline_ms - gw.clock.now_ms()
             if budget_ms < least_ms:
                 break
-            answer = self._try(peer, body, self._headers(job, budget_ms), budget_ms, job.stream)
+            answer = self._try(peer, body, self._headers(job, budget_ms, stranded), budget_ms, job.stream)
             if answer is not None:
                 return answer
         return None
 
-    def _headers(self, job: p.Job, budget_ms: float) -> dict[str, str]:
+    def _headers(self, job: p.Job, budget_ms: float, stranded: bool) -> dict[str, str]:
         headers = {
             "Content-Type": "application/json",
             "X-Deadline-Ms": str(int(budget_ms)),
             FORWARDED_HEADER: self.region,
         }
+        if stranded:
+            headers[STRANDED_HEADER] = "1"
         for name in PASSED_REQUEST_HEADERS:
             value = request.headers.get(name)
             if value is not None:

@@ -59,6 +59,7 @@ class Intake:
             Held(job, message),
             r.clock.now_ms(),
             behind=job.behind,
+            stranded=job.stranded,
         )
 
     def submit(self, job: p.Job) -> bool:

@@ -40,6 +40,16 @@ def test_the_tightest_deadline_pulls_the_launch_earlier() -> None:
     assert len(c) == 2  # taken at its launch time, it can still finish
 
 
+def test_a_stranded_request_waits_for_the_rest_of_its_burst_as_long_as_its_deadline_allows() -> None:
+    c = make_collector(max_batch=8, margin_ms=15.0)
+    c.add(Pending("s0", "free", received_ms=0.0, deadline_ms=400.0, stranded=True))
+    assert c.wait_ms(0.0) == 400.0 - 250 - 15 - 10  # no max_wait of its own: its deadline's last start
+    c.add(Pending("s1", "free", received_ms=30.0, deadline_ms=500.0, stranded=True))
+    assert c.wait_ms(30.0) == 125.0 - 30  # the tightest still decides
+    c.add(make_pending(2, at=40.0))  # a request of the region's own starts the clock
+    assert c.wait_ms(40.0) == 20.0
+
+
 def test_paid_fills_the_batch_before_free() -> None:
     c = make_collector(paid_boost_ms=300.0)
     for i in range(4):
