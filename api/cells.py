@@ -68,6 +68,7 @@ class Cell:
         fleet_client = client_like(client, socket_timeout=1.0, socket_connect_timeout=0.5)
         self.fleet = FleetView(fleet_client, cell=index, phased=phased)
         self.health = BrokerHealth()
+        self.wake = threading.Event()  # set: the health loop probes now, not at its next round
         self.admit = Admit(client)
         self.cancel = Cancel(client)
         self.supersede = Supersede(client)

@@ -578,7 +578,8 @@ class Gateway:
     # -- the broker's health, and the sweep of lapsed leases -------------------------
 
     def _watch_broker(self, cell: Cell) -> None:
-        """Every 100 ms (50 while it is down): sweep the cell's replicas whose lease lapsed,
+        """Every 100 ms (50 while it is down), and at once when the reply listener loses
+        the broker: sweep the cell's replicas whose lease lapsed,
         which is also the probe of its broker, and add the admissions to its traffic
         counters; every second, read the clock (the first cell's broker keeps it). A cell
         silent for `MOVE_AFTER_S` after a failed call sends its waiting requests to the
@@ -626,7 +627,8 @@ class Gateway:
                     failed_waiting = True
             except Exception:
                 log.exception("broker health loop")
-            threading.Event().wait(0.05 if cell.health.silent_s else 0.1)
+            cell.wake.wait(0.05 if cell.health.silent_s else 0.1)
+            cell.wake.clear()
 
     def _others_answer(self, cell: Cell) -> bool:
         return any(not other.health.is_down for other in self.cells if other is not cell)
@@ -760,8 +762,12 @@ class Gateway:
                     raws = [popped[1]]
                 else:
                     raws, backlog = backlog, []
-            except redis.RedisError:
+            except redis.RedisError as exc:
                 log.warning("cell %d: reply listener lost its broker; retrying", cell.index)
+                # The probe goes now: a broker that is gone is then found within a few ms,
+                # and what waits on it moves on with that much more of its budget.
+                cell.health.failed(exc)
+                cell.wake.set()
                 threading.Event().wait(0.2)
                 continue
             cell.health.ok()
