@@ -10,9 +10,12 @@ regions that list each other cannot bounce a request between them. docs/regions.
 
 A request the region had admitted, and then lost its broker or replicas under, is
 forwarded with `X-Keybatch-Stranded: 1`: everything that waited there is forwarded at
-that moment, a burst. The peer's replicas gather a stranded request until its deadline
-calls for a start, not only `max_wait` (tasks/policy/collector.py), so the burst rides
-one or two batches instead of one that starts with its first few.
+that moment, a burst. A peer's replica holding a stranded request starts its batch when
+it is full or a deadline calls for it, not `max_wait` after the first arrival
+(tasks/policy/collector.py), so the burst rides one or two batches instead of leaving
+all but the first few a batch behind. A stranded request is forwarded only with
+`STRANDED_GATHER_MS` to spare beyond a batch: one with less would start a batch the
+moment it arrives, with little of the burst in it.
 
 The gateway runs under gevent's monkey patching, so urllib3's blocking sockets
 yield to the other requests of the process while a peer answers.
@@ -44,6 +47,9 @@ FORWARDABLE = frozenset({"no_replica", "broker_unavailable"})  # the region cann
 PASSED_REQUEST_HEADERS = ("Authorization", "X-Session-Id", "X-Request-Id")
 PASSED_RESPONSE_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id", "Cache-Control")
 MAX_CONNECT_S = 0.5  # a peer that does not accept within this is down: leave budget for the next
+# A stranded request forwarded with less left than a batch and this would force a start
+# at the peer the moment it arrives, and the rest of its burst would wait a batch there.
+STRANDED_GATHER_MS = 50.0
 MIN_BUDGET_MS = 1.0  # X-Deadline-Ms is sent in whole milliseconds, and must be above 0
 MAX_CONNECTIONS = 64  # kept per peer; more are opened under a burst and closed after
 STREAM_CHUNK = 65_536
@@ -131,6 +137,8 @@ class Peers:
         body = request.get_data(cache=True)  # the handler parsed it already; the bytes are kept
         # A peer cannot run a batch in less than a batch time: the refusal stands then.
         least_ms = max(MIN_BUDGET_MS, gw.settings.batch_ms + gw.settings.deadline_margin_ms)
+        if stranded:  # and it gathers the burst this long before it starts one
+            least_ms += STRANDED_GATHER_MS
         for peer in self.peers:
             budget_ms = job.deadline_ms - gw.clock.now_ms()
             if budget_ms < least_ms:

@@ -7,9 +7,10 @@ the tightest deadline in the buffer (a request must start by its deadline minus
 one batch). Arrival in the buffer, not at the gateway: when requests reach the
 replica late (a burst, a slow consumer) it still gathers the ones right behind
 instead of launching each alone, and the deadline term bounds the wait.
-A `stranded` request (forwarded by a peer region that lost it, with everything else that
-waited there) starts no `max_wait` of its own: only its deadline bounds the wait, so a
-replica gathers the burst instead of starting with its first few.
+While the buffer holds a `stranded` request (forwarded by a peer region that lost it,
+with everything else that waited there), `max_wait` does not apply: only deadlines bound
+the wait, so a replica gathers the burst instead of starting with its first few. New
+requests the peer forwards meanwhile, one every few ms, would otherwise start it.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
 A free request `behind` other tenants' ones (its tenant held its fair depth of the queue,
@@ -155,9 +156,11 @@ class Collector:
         # the launch time and the take that checks it (`pop_expired`): launched at its
         # very last moment, it would be taken a moment late and dropped as expired.
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms - LAUNCH_LEAD_MS
-        # A stranded request starts no `max_wait` of its own: the rest of its burst is on
-        # its way, and a batch started with its first few leaves the others a batch behind.
-        oldest = min((p.arrived_ms for p in self.waiting if not p.stranded), default=math.inf)
+        if any(p.stranded for p in self.waiting):
+            # The rest of a stranded request's burst is on its way, and a batch started with
+            # its first few leaves the others a batch behind: only deadlines bound the wait.
+            return tightest
+        oldest = min(p.arrived_ms for p in self.waiting)
         return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
 
     def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:
