@@ -30,7 +30,7 @@ from control.fleet.valkey import EmbeddedBroker
 
 RESTART_FIRST_S = 0.5
 RESTART_MAX_S = 10.0
-HEALTHY_AFTER_S = 5.0  # a child that lived this long (booted and served) restarts at the first delay again
+HEALTHY_AFTER_S = 5.0  # a child that lived this long (booted and served) restarts at once
 POLL_S = 0.1  # SIGCHLD wakes the loop on a death; this bounds a missed one
 RELEASE_TIMEOUT_S = 0.5
 # A replica started again boots (Python, Celery: a second or two of a core) at a low
@@ -124,9 +124,11 @@ class Backoff:
     delay_s: float = RESTART_FIRST_S
 
     def after_death(self, lived_s: float) -> float:
-        """The wait before the next restart: doubling, reset by a long enough life."""
+        """The wait before the next restart: none after a long enough life (the fleet is
+        short of the child until it is back); after a short one, doubling from the first."""
         if lived_s >= HEALTHY_AFTER_S:
             self.delay_s = RESTART_FIRST_S
+            return 0.0
         delay = self.delay_s
         self.delay_s = min(delay * 2, RESTART_MAX_S)
         return delay

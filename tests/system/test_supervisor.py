@@ -151,7 +151,8 @@ def test_the_default_is_two_replicas_per_model() -> None:
 def test_backoff_doubles_to_its_cap_and_resets_after_a_long_life() -> None:
     backoff = Backoff()
     assert [backoff.after_death(1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, RESTART_MAX_S, RESTART_MAX_S]
-    assert backoff.after_death(HEALTHY_AFTER_S + 1) == 0.5
+    assert backoff.after_death(HEALTHY_AFTER_S + 1) == 0.0  # it served: back at once
+    assert backoff.after_death(1.0) == 0.5  # and a crash loop from there waits again
     assert backoff.after_death(1.0) == 1.0
 
 
