@@ -197,6 +197,7 @@ def create_completion() -> Response:
         received_ms=received,
         deadline_ms=received + budget,
         stream=req.stream,
+        forwarded=peers.is_forwarded(environ),
         stranded=peers.is_stranded(environ),
     )
     if session_key is not None and (reused := gw.reuse(job, session_key)) is not None:

@@ -66,6 +66,11 @@ def forward(gw: Gateway, job: p.Job, refusal: ApiError, stranded: bool = False) 
     return _peers(gw).forward(job, gw, stranded)
 
 
+def is_forwarded(environ: dict[str, object]) -> bool:
+    """Was this request sent on by a peer region (or by a client that says so)?"""
+    return "HTTP_X_KEYBATCH_FORWARDED" in environ
+
+
 def is_stranded(environ: dict[str, object]) -> bool:
     """Was this request forwarded by a peer region that had admitted it?"""
     return "HTTP_X_KEYBATCH_FORWARDED" in environ and environ.get("HTTP_X_KEYBATCH_STRANDED") == "1"

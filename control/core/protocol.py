@@ -84,8 +84,9 @@ class Job(BaseModel):
     # Queued behind other tenants' requests of its tier (its tenant held its fair depth):
     # told by the list it came from (its message's priority), not sent in the job itself.
     behind: bool = False
-    # Admitted by a peer region that lost its broker or replicas while the request waited,
-    # and forwarded with the rest of what waited there: one of a burst (api/peers.py).
+    # Sent on by a peer region (api/peers.py); `stranded`: admitted there, and forwarded
+    # when that region lost its broker or replicas, with the rest of what waited: a burst.
+    forwarded: bool = False
     stranded: bool = False
 
 

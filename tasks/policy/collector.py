@@ -8,9 +8,11 @@ one batch). Arrival in the buffer, not at the gateway: when requests reach the
 replica late (a burst, a slow consumer) it still gathers the ones right behind
 instead of launching each alone, and the deadline term bounds the wait.
 While the buffer holds a `stranded` request (forwarded by a peer region that lost it,
-with everything else that waited there), `max_wait` does not apply: only deadlines bound
-the wait, so a replica gathers the burst instead of starting with its first few. New
-requests the peer forwards meanwhile, one every few ms, would otherwise start it.
+with everything else that waited there), forwarded requests start no `max_wait`: only
+deadlines bound the wait, so a replica gathers the burst instead of starting with its
+first few. New requests the peer forwards meanwhile, one every few ms, would otherwise
+start it. The region's own requests keep their `max_wait`: a caller that marks its
+requests stranded delays forwarded ones at most, never the region's own.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
 A free request `behind` other tenants' ones (its tenant held its fair depth of the queue,
@@ -64,7 +66,8 @@ class Pending:
     payload: Any = None  # the job, for the glue
     arrived_ms: float = -1.0  # when it reached this replica's buffer (default: received_ms)
     behind: bool = False  # queued behind other tenants' requests of its tier
-    stranded: bool = False  # one of a burst a peer region forwarded after losing it: no clock of its own
+    forwarded: bool = False  # sent on by a peer region
+    stranded: bool = False  # one of a burst a peer region forwarded after losing it
 
     def __post_init__(self) -> None:
         if self.arrived_ms < 0:
@@ -158,9 +161,12 @@ class Collector:
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms - LAUNCH_LEAD_MS
         if any(p.stranded for p in self.waiting):
             # The rest of a stranded request's burst is on its way, and a batch started with
-            # its first few leaves the others a batch behind: only deadlines bound the wait.
-            return tightest
-        oldest = min(p.arrived_ms for p in self.waiting)
+            # its first few leaves the others a batch behind: only deadlines, and the
+            # region's own requests, bound the wait. Forwarded requests start no clock then.
+            own = [p.arrived_ms for p in self.waiting if not (p.forwarded or p.stranded)]
+            oldest = min(own, default=math.inf)
+        else:
+            oldest = min(p.arrived_ms for p in self.waiting)
         return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
 
     def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:

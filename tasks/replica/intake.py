@@ -59,6 +59,7 @@ class Intake:
             Held(job, message),
             r.clock.now_ms(),
             behind=job.behind,
+            forwarded=job.forwarded,
             stranded=job.stranded,
         )
 

@@ -46,10 +46,13 @@ def test_a_stranded_request_waits_for_the_rest_of_its_burst_as_long_as_its_deadl
     assert c.wait_ms(0.0) == 400.0 - 250 - 15 - 10  # no max_wait of its own: its deadline's last start
     c.add(Pending("s1", "free", received_ms=30.0, deadline_ms=500.0, stranded=True))
     assert c.wait_ms(30.0) == 125.0 - 30  # the tightest still decides
-    c.add(make_pending(2, at=40.0, deadline=300.0))  # no clock while the burst is gathered
-    assert c.wait_ms(40.0) == 340.0 - 275 - 40
-    c.remove({"s0", "s1"})
-    assert c.wait_ms(40.0) == 20.0  # nothing stranded: max_wait again
+    forwarded = Pending("f2", "free", received_ms=40.0, deadline_ms=440.0, forwarded=True)
+    c.add(forwarded)  # a new request the peer sent on starts no clock while the burst is gathered
+    assert c.wait_ms(40.0) == 125.0 - 40
+    c.add(make_pending(3, at=50.0))  # one of the region's own does
+    assert c.wait_ms(50.0) == 20.0
+    c.remove({"s0", "s1", "r3"})
+    assert c.wait_ms(50.0) == 10.0  # nothing stranded: the forwarded request's max_wait
 
 
 def test_paid_fills_the_batch_before_free() -> None:
