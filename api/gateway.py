@@ -590,6 +590,7 @@ class Gateway:
         last_sync = 0.0
         failed_waiting = False
         while True:
+            cell.wake.clear()  # before the probe: a wake set during it is not lost
             try:
                 swept, requeued, expired, deaths, epoch = cell.sweep(min_ms, SWEEP_LOCK_MS)
                 if swept:
@@ -628,7 +629,6 @@ class Gateway:
             except Exception:
                 log.exception("broker health loop")
             cell.wake.wait(0.05 if cell.health.silent_s else 0.1)
-            cell.wake.clear()
 
     def _others_answer(self, cell: Cell) -> bool:
         return any(not other.health.is_down for other in self.cells if other is not cell)
@@ -762,11 +762,10 @@ class Gateway:
                     raws = [popped[1]]
                 else:
                     raws, backlog = backlog, []
-            except redis.RedisError as exc:
+            except redis.RedisError:
                 log.warning("cell %d: reply listener lost its broker; retrying", cell.index)
-                # The probe goes now: a broker that is gone is then found within a few ms,
-                # and what waits on it moves on with that much more of its budget.
-                cell.health.failed(exc)
+                # The probe goes now: a broker that is gone refuses it, and what waits on it
+                # moves on within a few ms, with that much more of its budget.
                 cell.wake.set()
                 threading.Event().wait(0.2)
                 continue

@@ -8,11 +8,12 @@ one batch). Arrival in the buffer, not at the gateway: when requests reach the
 replica late (a burst, a slow consumer) it still gathers the ones right behind
 instead of launching each alone, and the deadline term bounds the wait.
 While the buffer holds a `stranded` request (forwarded by a peer region that lost it,
-with everything else that waited there), forwarded requests start no `max_wait`: only
-deadlines bound the wait, so a replica gathers the burst instead of starting with its
-first few. New requests the peer forwards meanwhile, one every few ms, would otherwise
-start it. The region's own requests keep their `max_wait`: a caller that marks its
-requests stranded delays forwarded ones at most, never the region's own.
+with everything else that waited there), forwarded requests start no `max_wait`: the
+replica gathers the burst, up to `STRANDED_GATHER_MS` after the first stranded arrival or
+a deadline's last start, instead of starting with its first few. New requests the peer
+forwards meanwhile, one every few ms, would otherwise start it. The region's own
+requests keep their `max_wait`: a caller that marks its requests stranded delays
+forwarded ones by up to `STRANDED_GATHER_MS`, never the region's own.
 Paid requests fill a batch before free ones; a free request that has waited
 `paid_boost_ms` ranks with a paid one arriving now, so free traffic cannot starve.
 A free request `behind` other tenants' ones (its tenant held its fair depth of the queue,
@@ -48,6 +49,7 @@ BEHIND_MS = 1e13  # later than any request in line: epoch ms are ~1.8e12
 LAUNCH_LEAD_MS = 10.0  # a batch closed by a deadline launches this long before its last moment
 STAGGER_TOLERANCE = 0.1  # of a gap: starts spread this evenly are left where they are
 REST_HORIZON = 0.75  # of a slot: how long a request handed back may have to wait for a peer's start
+STRANDED_GATHER_MS = 100.0  # a stranded burst reaches a peer within tens of ms: gather it no longer
 
 
 def recent_launches(peer_launches_ms: list[float], at_ms: float, slot_ms: float) -> list[float]:
@@ -159,14 +161,17 @@ class Collector:
         # the launch time and the take that checks it (`pop_expired`): launched at its
         # very last moment, it would be taken a moment late and dropped as expired.
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms - LAUNCH_LEAD_MS
-        if any(p.stranded for p in self.waiting):
+        stranded = [p.arrived_ms for p in self.waiting if p.stranded]
+        if stranded:
             # The rest of a stranded request's burst is on its way, and a batch started with
-            # its first few leaves the others a batch behind: only deadlines, and the
-            # region's own requests, bound the wait. Forwarded requests start no clock then.
+            # its first few leaves the others a batch behind: forwarded requests start no
+            # `max_wait` then. Deadlines, the region's own requests and the gather's bound do.
             own = [p.arrived_ms for p in self.waiting if not (p.forwarded or p.stranded)]
-            oldest = min(own, default=math.inf)
-        else:
-            oldest = min(p.arrived_ms for p in self.waiting)
+            gathered = min(stranded) + STRANDED_GATHER_MS
+            if own:
+                gathered = min(gathered, max(min(own) + c.max_wait_ms, self.not_before_ms))
+            return min(gathered, tightest)
+        oldest = min(p.arrived_ms for p in self.waiting)
         return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
 
     def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:

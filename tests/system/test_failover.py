@@ -41,12 +41,14 @@ def _stop_after_its_pull(kb: Deployment, victim: subprocess.Popen[bytes]) -> Non
     pulls, or its last one may have timed out before the next arrival. Every idle replica
     pulls only with SINGLE_LISTENER=false."""
     ports = {str(c.laddr.port) for c in psutil.Process(victim.pid).net_connections(kind="tcp") if c.laddr}
-    state = redis.Redis.from_url(kb.system.redis_url, socket_timeout=5)  # no pull seen: fail, not hang
+    state = redis.Redis.from_url(kb.system.redis_url, socket_timeout=5)
+    give_up = time.monotonic() + 10  # no pull of its seen: fail, not hang
     with state.monitor() as monitor:
         for command in monitor.listen():
             if str(command["command"]).upper().startswith("BRPOP") and command["client_port"] in ports:
                 victim.send_signal(signal.SIGSTOP)
                 return
+            assert time.monotonic() < give_up, "the replica sent no pull"
 
 
 def test_a_replica_killed_mid_batch_loses_no_request() -> None:

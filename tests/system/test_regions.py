@@ -155,23 +155,23 @@ def test_the_client_gives_up_within_its_budget() -> None:
 @pytest.mark.parametrize("stranded", [True, False], ids=["stranded", "forwarded-new"])
 def test_a_burst_a_peer_forwards_after_losing_it_rides_one_batch(stranded: bool) -> None:
     """What waited in a region that lost its broker comes to the peer as a burst, forwarded
-    request by request. The peer gathers stranded requests until their deadline calls for
-    a start, so eight sent 15 ms apart with 400 ms left ride one batch. Without the mark
-    each idle replica starts a batch 20 ms (`max_wait`) after its first, and the rest of
-    the burst waits for a batch to end: too late."""
-    headers = {FORWARDED_HEADER: "a", "X-Deadline-Ms": "400", **({STRANDED_HEADER: "1"} if stranded else {})}
+    request by request. The peer gathers stranded requests (up to `STRANDED_GATHER_MS`,
+    100 ms, or a deadline's last start), so eight sent 8 ms apart ride one batch. Without
+    the mark each idle replica starts a batch 20 ms (`max_wait`) after its first."""
+    headers = {FORWARDED_HEADER: "a", "X-Deadline-Ms": "600", **({STRANDED_HEADER: "1"} if stranded else {})}
     with deployment(workers=2, max_batch="16", hedge="off", REGION="b") as b:
         assert b.post().status_code == 200  # warm
 
         def send(i: int, start: float) -> requests.Response:
-            time.sleep(max(0.0, start + 0.015 * i - time.monotonic()))  # the burst's shape
+            time.sleep(max(0.0, start + 0.008 * i - time.monotonic()))  # the burst's shape
             return b.post({**BODY, "prompt": f"stranded {i}"}, **headers)
 
         start = time.monotonic() + 0.05
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: send(i, start), range(8)))
-    if not stranded:  # the first few start a batch each replica; the rest wait a batch, too long
-        assert [r.status_code for r in answers].count(504) > 0, [r.text for r in answers]
-        return
     assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
-    assert [r.json()["keybatch"]["batch_size"] for r in answers] == [8] * 8
+    sizes = [r.json()["keybatch"]["batch_size"] for r in answers]
+    if stranded:
+        assert sizes == [8] * 8, sizes
+    else:  # the first few start a batch on each replica; the rest wait for one to end
+        assert max(sizes) < 8, sizes

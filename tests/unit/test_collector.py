@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.policy.collector import Collector, CollectorConfig, Pending
+from tasks.policy.collector import STRANDED_GATHER_MS, Collector, CollectorConfig, Pending
 
 
 def make_pending(i: int, at: float = 0.0, tier: str = "free", deadline: float = 600.0) -> Pending:
@@ -42,17 +42,24 @@ def test_the_tightest_deadline_pulls_the_launch_earlier() -> None:
 
 def test_a_stranded_request_waits_for_the_rest_of_its_burst_as_long_as_its_deadline_allows() -> None:
     c = make_collector(max_batch=8, margin_ms=15.0)
-    c.add(Pending("s0", "free", received_ms=0.0, deadline_ms=400.0, stranded=True))
-    assert c.wait_ms(0.0) == 400.0 - 250 - 15 - 10  # no max_wait of its own: its deadline's last start
+    c.add(Pending("s0", "free", received_ms=0.0, deadline_ms=350.0, stranded=True))
+    assert c.wait_ms(0.0) == 350.0 - 250 - 15 - 10  # no max_wait of its own: its deadline's last start
     c.add(Pending("s1", "free", received_ms=30.0, deadline_ms=500.0, stranded=True))
-    assert c.wait_ms(30.0) == 125.0 - 30  # the tightest still decides
+    assert c.wait_ms(30.0) == 75.0 - 30  # the tightest still decides
     forwarded = Pending("f2", "free", received_ms=40.0, deadline_ms=440.0, forwarded=True)
     c.add(forwarded)  # a new request the peer sent on starts no clock while the burst is gathered
-    assert c.wait_ms(40.0) == 125.0 - 40
+    assert c.wait_ms(40.0) == 75.0 - 40
     c.add(make_pending(3, at=50.0))  # one of the region's own does
     assert c.wait_ms(50.0) == 20.0
     c.remove({"s0", "s1", "r3"})
     assert c.wait_ms(50.0) == 10.0  # nothing stranded: the forwarded request's max_wait
+
+
+def test_a_stranded_burst_is_gathered_for_a_bounded_time_whatever_the_budgets() -> None:
+    c = make_collector(max_batch=8)
+    c.add(Pending("s0", "free", received_ms=0.0, deadline_ms=60_000.0, stranded=True))
+    c.add(Pending("f1", "free", received_ms=5.0, deadline_ms=60_000.0, forwarded=True))
+    assert c.wait_ms(5.0) == STRANDED_GATHER_MS - 5  # not until the deadline a minute away
 
 
 def test_paid_fills_the_batch_before_free() -> None:
