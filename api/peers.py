@@ -14,8 +14,8 @@ that moment, a burst. A peer's replica holding a stranded request starts its bat
 it is full or a deadline calls for it, not `max_wait` after the first arrival
 (tasks/policy/collector.py), so the burst rides one or two batches instead of leaving
 all but the first few a batch behind. A stranded request is forwarded only with
-`STRANDED_GATHER_MS` to spare beyond a batch: one with less would start a batch the
-moment it arrives, with little of the burst in it.
+`RELAY_MS` and `STRANDED_GATHER_MS` (50 ms in all) to spare beyond a batch: one with
+less would start a batch the moment it arrives, with little of the burst in it.
 
 The gateway runs under gevent's monkey patching, so urllib3's blocking sockets
 yield to the other requests of the process while a peer answers.
@@ -47,9 +47,12 @@ FORWARDABLE = frozenset({"no_replica", "broker_unavailable"})  # the region cann
 PASSED_REQUEST_HEADERS = ("Authorization", "X-Session-Id", "X-Request-Id")
 PASSED_RESPONSE_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id", "Cache-Control")
 MAX_CONNECT_S = 0.5  # a peer that does not accept within this is down: leave budget for the next
-# A stranded request forwarded with less left than a batch and this would force a start
-# at the peer the moment it arrives, and the rest of its burst would wait a batch there.
-STRANDED_GATHER_MS = 50.0
+# A stranded request forwarded with less left than a batch, `RELAY_MS` and this would force
+# a start at the peer the moment it arrives, and the rest of its burst would wait a batch.
+STRANDED_GATHER_MS = 30.0
+# The peer is told the client's budget less this: its answer still has the way back
+# through this gateway to make, within the budget this gateway waits for it.
+RELAY_MS = 20.0
 MIN_BUDGET_MS = 1.0  # X-Deadline-Ms is sent in whole milliseconds, and must be above 0
 MAX_CONNECTIONS = 64  # kept per peer; more are opened under a burst and closed after
 STREAM_CHUNK = 65_536
@@ -146,9 +149,10 @@ class Peers:
             least_ms += STRANDED_GATHER_MS
         for peer in self.peers:
             budget_ms = job.deadline_ms - gw.clock.now_ms()
-            if budget_ms < least_ms:
+            if budget_ms - RELAY_MS < least_ms:
                 break
-            answer = self._try(peer, body, self._headers(job, budget_ms, stranded), budget_ms, job.stream)
+            headers = self._headers(job, budget_ms - RELAY_MS, stranded)
+            answer = self._try(peer, body, headers, budget_ms, job.stream)
             if answer is not None:
                 return answer
         return None
