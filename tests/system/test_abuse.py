@@ -189,16 +189,20 @@ def _connections_held(kb: Deployment) -> list[int]:
 
 def test_each_gateway_process_holds_at_most_max_connections_and_a_new_one_is_served(kb_tight: Deployment) -> None:
     flood = [_connect(kb_tight) for _ in range(2 * MAX_CONNECTIONS + 20)]  # idle: they send nothing
-    seen = []
-    deadline = time.monotonic() + 2
+    seen: list[list[int]] = []
+    settled = None
+    deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
         seen.append(held := _connections_held(kb_tight))
-        if max(held) == MAX_CONNECTIONS:
+        if max(held) == MAX_CONNECTIONS and len(seen) > 1 and seen[-2] == held:
+            settled = held
             break
         time.sleep(0.05)
     # Which process accepts is the kernel's choice: a full one keeps accepting (its
     # longest waiting give way), so one of them may take most of the flood.
-    assert max(map(max, seen)) == MAX_CONNECTIONS, seen
+    assert settled is not None, seen
+    # A full process accepts first and then sheds: a reading between the two sees one more.
+    assert max(map(max, seen)) <= MAX_CONNECTIONS + 1, seen
     # One more client is served at once: the connection waiting longest gives way to it
     # (api/server/conntable.py), rather than the client waiting in the listen backlog.
     late = _connect(kb_tight)
