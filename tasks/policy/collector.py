@@ -161,18 +161,19 @@ class Collector:
         # the launch time and the take that checks it (`pop_expired`): launched at its
         # very last moment, it would be taken a moment late and dropped as expired.
         tightest = min(p.deadline_ms for p in self.waiting) - c.batch_ms - c.margin_ms - LAUNCH_LEAD_MS
-        stranded = [p.arrived_ms for p in self.waiting if p.stranded]
-        if stranded:
+        first_stranded = min((p.arrived_ms for p in self.waiting if p.stranded), default=None)
+        if first_stranded is None:
+            oldest: float | None = min(p.arrived_ms for p in self.waiting)
+            latest = tightest
+        else:
             # The rest of a stranded request's burst is on its way, and a batch started with
             # its first few leaves the others a batch behind: forwarded requests start no
-            # `max_wait` then. Deadlines, the region's own requests and the gather's bound do.
-            own = [p.arrived_ms for p in self.waiting if not (p.forwarded or p.stranded)]
-            gathered = min(stranded) + STRANDED_GATHER_MS
-            if own:
-                gathered = min(gathered, max(min(own) + c.max_wait_ms, self.not_before_ms))
-            return min(gathered, tightest)
-        oldest = min(p.arrived_ms for p in self.waiting)
-        return min(max(oldest + c.max_wait_ms, self.not_before_ms), tightest)
+            # `max_wait` then, and the gather has a bound of its own.
+            oldest = min((p.arrived_ms for p in self.waiting if not (p.forwarded or p.stranded)), default=None)
+            latest = min(tightest, first_stranded + STRANDED_GATHER_MS)
+        if oldest is None:
+            return latest
+        return min(max(oldest + c.max_wait_ms, self.not_before_ms), latest)
 
     def stagger_from(self, peer_launches_ms: list[float], last_batch: int, now_ms: float) -> None:
         """Set `not_before_ms` from when the other replicas of the model last started.
