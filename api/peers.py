@@ -76,7 +76,7 @@ def is_forwarded(environ: dict[str, object]) -> bool:
 
 def is_stranded(environ: dict[str, object]) -> bool:
     """Was this request forwarded by a peer region that had admitted it?"""
-    return "HTTP_X_KEYBATCH_FORWARDED" in environ and environ.get("HTTP_X_KEYBATCH_STRANDED") == "1"
+    return is_forwarded(environ) and environ.get("HTTP_X_KEYBATCH_STRANDED") == "1"
 
 
 def is_forwardable(settings: Settings, refusal: ApiError) -> bool:
