@@ -4,12 +4,15 @@ and what tests read of it: an HTTP client with the test keys, metrics, held requ
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import psutil
 import redis
 import requests
 
@@ -104,3 +107,20 @@ def replica_for(kb: Deployment, pid: int) -> str:
         if state.hget(keys.replica_key(name.decode()), "pid") == str(pid).encode():
             return name.decode()
     raise AssertionError(f"no replica with pid {pid}")
+
+
+def stop_after_its_pull(kb: Deployment, victim: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP an idle replica right after it sent a pull (BRPOP), seen with MONITOR by the
+    port of one of its own connections: that pull is then out for its whole wait. Stopped
+    at any other moment it may be between two pulls, or its last one may have timed out
+    before the next arrival. An idle replica pulls while it holds the listener token, or
+    always with SINGLE_LISTENER=false."""
+    ports = {str(c.laddr.port) for c in psutil.Process(victim.pid).net_connections(kind="tcp") if c.laddr}
+    state = redis.Redis.from_url(kb.system.redis_url, socket_timeout=5)
+    give_up = time.monotonic() + 10  # no pull of its seen: fail, not hang
+    with state.monitor() as monitor:
+        for command in monitor.listen():
+            if str(command["command"]).upper().startswith("BRPOP") and command["client_port"] in ports:
+                victim.send_signal(signal.SIGSTOP)
+                return
+            assert time.monotonic() < give_up, "the replica sent no pull"

@@ -12,13 +12,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 import redis
 import requests
 
 from control.broker import keys
-from tests.support.deploy import MODEL, Deployment, deployment, held_counts, replica_for
+from tests.support.deploy import MODEL, Deployment, deployment, held_counts, replica_for, stop_after_its_pull
 from tests.support.waiting import until
 
 BUDGET = {"X-Deadline-Ms": "2000"}
@@ -33,22 +32,6 @@ def fleet() -> Iterator[Deployment]:
 def _burst(kb: Deployment, n: int, **headers: str) -> list:
     pool = ThreadPoolExecutor(n)
     return [pool.submit(kb.post, {"model": MODEL, "prompt": f"def f{i}():\n"}, **headers) for i in range(n)]
-
-
-def _stop_after_its_pull(kb: Deployment, victim: subprocess.Popen[bytes]) -> None:
-    """Stop an idle replica right after it sent a pull (BRPOP), seen with MONITOR by the
-    port of one of its own connections. Stopped at any other moment it may be between two
-    pulls, or its last one may have timed out before the next arrival. Every idle replica
-    pulls only with SINGLE_LISTENER=false."""
-    ports = {str(c.laddr.port) for c in psutil.Process(victim.pid).net_connections(kind="tcp") if c.laddr}
-    state = redis.Redis.from_url(kb.system.redis_url, socket_timeout=5)
-    give_up = time.monotonic() + 10  # no pull of its seen: fail, not hang
-    with state.monitor() as monitor:
-        for command in monitor.listen():
-            if str(command["command"]).upper().startswith("BRPOP") and command["client_port"] in ports:
-                victim.send_signal(signal.SIGSTOP)
-                return
-            assert time.monotonic() < give_up, "the replica sent no pull"
 
 
 def test_a_replica_killed_mid_batch_loses_no_request() -> None:
@@ -180,7 +163,7 @@ def test_what_a_stopped_replicas_pull_took_comes_back_within_the_default_budget(
     sweep, it is too late for that budget (504 with PULSE_MS=0)."""
     with deployment(workers=3, single_listener="false", hedge="off") as kb:
         victim = kb.system.workers[0]
-        _stop_after_its_pull(kb, victim)  # its pull is out for its whole wait (0.1 s)
+        stop_after_its_pull(kb, victim)  # its pull is out for its whole wait (0.1 s)
         try:
             futures = _burst(kb, 3)
             answers = [f.result(20) for f in futures]
@@ -198,7 +181,7 @@ def test_a_request_a_replica_took_and_died_with_before_recording_it_is_queued_ag
     gateway that owns the request pushes it back, and the replica left answers it."""
     with deployment(workers=2, single_listener="false") as kb:
         victim = kb.system.workers[0]
-        _stop_after_its_pull(kb, victim)
+        stop_after_its_pull(kb, victim)
         try:
             futures = _burst(kb, 8, **{"X-Deadline-Ms": "10000"})
             answers = [f.result(20) for f in futures]

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from control.broker import keys
-from tests.support.deploy import MODEL, Deployment, deployment, replica_for
+from tests.support.deploy import MODEL, Deployment, deployment, replica_for, stop_after_its_pull
 from tests.support.waiting import until
 
 BURST = 8
@@ -117,11 +117,7 @@ def test_a_stopped_listeners_last_pull_is_gone_before_the_next_arrival() -> None
         state = redis.Redis.from_url(kb.system.redis_url)
         holder, victim = _holder(kb, state)
         deaths = _deaths(state)
-        with state.monitor() as monitor:  # idle, only the holder pulls: the next BRPOP is its
-            for command in monitor.listen():
-                if str(command["command"]).upper().startswith("BRPOP"):
-                    victim.send_signal(signal.SIGSTOP)
-                    break
+        stop_after_its_pull(kb, victim)
         try:
             assert until(lambda: _deaths(state) > deaths, 3, 0.005)
             time.sleep(0.3)  # the arrival's moment, not a wait for a mechanism
