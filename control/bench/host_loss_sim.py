@@ -1,5 +1,6 @@
 """`keybatch bench host-loss-sim`: what a lost host costs in the simulator, with free-slot
-hedging off, copying running requests only, and copying buffered ones too (the live rule).
+hedging off, copying running requests only, copying buffered ones too, and with idle
+replicas also running batches of copies (`+idle`, HEDGE_IDLE: the live rule).
 
 Each run is R replicas of batch B on the fixed 250 ms backend, as hosts of H replicas, 30%
 paid, a 600 ms budget; the first host is lost 5 s in; its requests may be copied until its
@@ -9,7 +10,8 @@ by seed. A request the lost host held is one it was running, or had buffered for
 batch, when it vanished: the 504s among them are what hedging is for; the rest of the 504s
 and the 429s are the survivors' load. `--bump` plays `ADMIT_BUMP` in every arm
 (`SimConfig.admit_bump`): free requests admitted with no room kept for paid ones, which
-bump them where they must.
+bump them where they must. `--single-listener` sends every arm's arrivals to the idle
+replica already gathering a batch (SINGLE_LISTENER, `SimConfig.concentrate_idle`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ LOSS_AT_S = 5.0
 RESTART_S = 7.0
 PAID_FRACTION = 0.3
 
-# Each arm by its name: the hedging mode, and whether buffered requests are copied too.
-ARMS: dict[str, tuple[HedgeMode, bool]] = {
-    "off": ("off", False),
-    "running": ("all", False),
-    "+buffered": ("all", True),
+# Each arm by its name: the hedging mode, whether buffered requests are copied too, and
+# whether idle replicas run batches of copies.
+ARMS: dict[str, tuple[HedgeMode, bool, bool]] = {
+    "off": ("off", False, False),
+    "running": ("all", False, False),
+    "+buffered": ("all", True, False),
+    "+idle": ("all", True, True),
 }
 
 
@@ -52,16 +56,19 @@ class Run(NamedTuple):
     lease_ms: float
     detect_ms: float
     bump: bool = False
+    single_listener: bool = False
 
 
 def _one(run: Run) -> dict[str, Any]:
-    mode, buffered = ARMS[run.arm]
+    mode, buffered, idle = ARMS[run.arm]
     config = SimConfig(
         replicas=[run.replicas],
         max_batch=run.batch,
         budget_ms=600,
         hedge=mode,
         hedge_buffered=buffered,
+        hedge_idle=idle,
+        concentrate_idle=run.single_listener,
         host_size=run.per_host,
         host_loss_at_s=LOSS_AT_S,
         restart_s=RESTART_S,
@@ -90,6 +97,8 @@ def _one(run: Run) -> dict[str, Any]:
         "hedged": result.stats.get("hedged", 0),
         "hedge_wins": result.stats.get("hedge_wins", 0),
         "bumped": result.stats.get("bumped", 0),
+        "idle_copy_batches": result.stats.get("idle_copy_batches", 0),
+        "taken_lost": result.stats.get("taken_lost", 0),
     }
 
 
@@ -105,6 +114,8 @@ SUMMED = (
     "hedged",
     "hedge_wins",
     "bumped",
+    "idle_copy_batches",
+    "taken_lost",
 )
 
 
@@ -116,6 +127,10 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
         return 2
     if args.replicas < 2 * args.replicas_per_host or args.seeds < 1:
         print("keybatch bench host-loss-sim: two hosts at least, and one seed")
+        return 2
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - set(ARMS):
+        print(f"keybatch bench host-loss-sim: --arms takes some of {', '.join(ARMS)}")
         return 2
     if not 0 < args.lease_ms <= args.detect_ms:
         print("keybatch bench host-loss-sim: a lease lapses before the loss is detected")
@@ -132,9 +147,10 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             args.lease_ms,
             args.detect_ms,
             args.bump,
+            args.single_listener,
         )
         for load in loads
-        for name in ARMS
+        for name in arms
         for seed in range(1, args.seeds + 1)
     ]
     with get_context("fork").Pool(max(1, args.processes)) as pool:
@@ -146,8 +162,9 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             total[key] += r[key]
     title = (
         f"A host of {args.replicas_per_host} lost, {args.replicas} x {args.max_batch}, {args.seeds} seeds summed; "
-        "copies: off, of running requests, of buffered ones too"
+        "copies: off, of running requests, of buffered ones too, and idle replicas' batches of copies"
     ) + ("; free requests bumped by paid ones" if args.bump else "")
+    title += "; arrivals to the replica gathering" if args.single_listener else ""
     table = Table(title=title)
     for col in (
         "load",
@@ -163,6 +180,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
         "made",
         "won",
         "bumped",
+        "idle batches",
     ):
         table.add_column(col, justify="right")
     for (load, arm), t in totals.items():
@@ -180,6 +198,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             f"{t['hedged']:,}",
             str(t["hedge_wins"]),
             str(t["bumped"]),
+            str(t["idle_copy_batches"]),
         )
     Console().print(table)
     if args.json:

@@ -311,6 +311,14 @@ def add_host_loss_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bump", action="store_true", help="every arm admits free requests that paid ones may bump (simulator only)"
     )
+    p.add_argument(
+        "--arms",
+        default="off,running,+buffered",
+        help="copies: off, of running requests, +buffered ones too, +idle: and batches of copies on idle replicas",
+    )
+    p.add_argument(
+        "--single-listener", action="store_true", help="every arm sends an arrival to the idle replica gathering"
+    )
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--json", default=None, help="write all figures here")
 

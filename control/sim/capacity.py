@@ -60,6 +60,7 @@ class Inputs:
     tier_loads: tuple[float, ...] = ()  # also paid and free latency at these shares of a region's capacity
     stagger_saturated: bool = True  # simulated replicas stagger full batches as live ones do (SimConfig)
     single_listener: bool = True  # idle replicas leave arrivals to one gathering (SINGLE_LISTENER)
+    hedge_idle: bool = True  # with hedging on, idle replicas run batches of copies (HEDGE_IDLE)
     spare_hosts: int = 0  # hosts of `host_size` replicas of the first model added per region
 
     def __post_init__(self) -> None:
@@ -334,6 +335,7 @@ def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: 
     for mode in HEDGE_MODES:
         config = sim_config(inputs, counts, models)
         config.host_loss_at_s, config.host_size, config.hedge = inputs.sim_seconds / 2, inputs.host_size, mode
+        config.hedge_idle = inputs.hedge_idle and mode != "off"
         result = simulate_split(config, workload, used_processes(config, inputs.processes or None))
         outcomes = result.counts()
         out[mode] = {
@@ -341,7 +343,7 @@ def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: 
             "outcomes": outcomes,
             "paid_outcomes": result.counts(paid),
             "p99_ms": result.summary(inputs.network_ms).get("p99_ms"),
-            **{key: result.stats.get(key, 0) for key in ("hedged", "hedge_wins", "hedge_wasted")},
+            **{key: result.stats.get(key, 0) for key in ("hedged", "hedge_wins", "hedge_wasted", "idle_copy_batches")},
         }
     return out
 

@@ -75,6 +75,12 @@ def add_capacity_args(parser: argparse.ArgumentParser) -> None:
         help="one idle replica of a model waits on its queue at a time, as live (SINGLE_LISTENER, the default)",
     )
     parser.add_argument(
+        "--hedge-idle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --host-loss, idle replicas run batches of copies where hedging is on, as live (HEDGE_IDLE)",
+    )
+    parser.add_argument(
         "--spare-hosts",
         type=int,
         default=1,
@@ -117,6 +123,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             tier_loads=tuple(float(x) for x in args.tiers_by_load.split(",") if x.strip()),
             stagger_saturated=args.stagger_saturated,
             single_listener=args.single_listener,
+            hedge_idle=args.hedge_idle,
             spare_hosts=args.spare_hosts,
         )
     except (OSError, ValueError) as exc:

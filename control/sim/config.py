@@ -50,12 +50,25 @@ class SimConfig:
     # (the rule before buffered requests were copied live too, for comparison).
     hedge: HedgeMode = "off"
     hedge_buffered: bool = True
+    # HEDGE_IDLE: an idle replica that does not listen for arrivals, while enough of its
+    # model's replicas stay idle (`hedging.least_idle`), runs a batch of copies of requests
+    # whose batch runs on another host; it looks within `hedging.IDLE_LOOK_MS` of a batch's
+    # start elsewhere, or of its own batch's end.
+    hedge_idle: bool = False
     host_loss_at_s: float | None = None  # one host of the first group dies then
     restart_s: float = 5.0  # and is back this long after
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
     lease_ms: float = 300.0  # a lost replica's requests may be copied until its lease lapses
+    # What a lost replica's last pull took goes back to the queue this long after the loss
+    # at the soonest: its pulse lapses (60-100 ms), a gateway's health loop sees the death
+    # (every 100 ms) and RESCUE's two looks, 30 ms apart, find it unrecorded.
+    rescue_ms: float = 160.0
     region_loss_at_s: float | None = None  # region 0 is lost then
     resend_ms: float = 100.0  # a client's retry of a lost region's request reaches another region
+    # What a lost region had in flight reaches the other regions marked stranded
+    # (`Pending.stranded`, X-Keybatch-Stranded live): a replica holding one gathers the
+    # rest of the burst (`Collector.launch_at`) instead of starting its first few alone.
+    stranded: bool = True
     # Broker cells of one region, played by the regions of the run: cell 0's broker is lost
     # then. What waits in it, or its replicas took and did not start, moves to the other
     # cells `cell_move_ms` later (the gateway's move); what they run is answered through

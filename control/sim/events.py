@@ -13,7 +13,7 @@ from control.sim.group import Group, SimReplica
 from control.sim.workload import Workload
 
 # Event kinds.
-LAUNCH, END, GATE, HOST_DOWN, SWEEP, HOST_UP, REGION_DOWN, CELL_DOWN = range(8)
+LAUNCH, END, GATE, HOST_DOWN, SWEEP, HOST_UP, REGION_DOWN, CELL_DOWN, LOOK, RESCUE = range(10)
 
 
 class SimState:
@@ -57,14 +57,19 @@ class SimState:
         self.now = 0.0
         self.requeues: dict[int, int] = {}
         self.hedges: dict[int, SimReplica] = {}  # request -> the replica running its copy
+        self.died_at: dict[int, float] = {}  # a lost replica (by index): when it stopped
+        self.looking: set[int] = set()  # replicas (by index) with a look for copies to run while idle due
         # At a host loss, what its replicas were running (their own requests) and held buffered.
         self.lost_running: set[int] = set()
         self.lost_buffered: set[int] = set()
         self.resent: list[tuple[float, int]] = sorted(resend or [])  # heap: (time, request) sent again
         self.resent_ids.update(j for _, j in self.resent)
+        # Sent on after their region was lost: a peer's replicas gather them (`SimConfig.stranded`).
+        self.stranded_ids: set[int] = set(self.resent_ids) if config.stranded else set()
         self.handed_off: list[tuple[float, int]] = []
         counted: tuple[str, ...] = ("batches", "batch_rows", "wasted", "requeued", "resent", "moved", "events")
         counted += ("taken_shut", "rest_handed_back", "hedged", "hedge_wins", "hedge_wasted", "bumped")
+        counted += ("idle_copy_batches", "taken_lost", "rescued")
         self.stats = dict.fromkeys(counted, 0)
         self.batch_sizes: list[int] = []
         rng = np.random.default_rng(12345)

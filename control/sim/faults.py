@@ -23,8 +23,9 @@ class FaultSide(GatewaySide):
         for replica in dead:
             replica.alive = False
             replica.tokens = [t + 1 for t in replica.tokens]
-            if replica in group.blocked:
-                group.blocked.remove(replica)
+            self.died_at[replica.index] = self.now
+            if replica in group.blocked:  # its BRPOP out may still take a message (`_lost_pull`)
+                self._last_sent(replica)
         for replica in dead:  # when their leases lapse, nothing they held is copied any more
             group.lapses_at[replica.host] = self.now + self.config.lease_ms
             self.lost_running.update(p.payload for p in replica.batch if not is_copy(p))
@@ -71,6 +72,17 @@ class FaultSide(GatewaySide):
         for replica in list(group.blocked):  # re-queued requests go to the consumers blocked on the queue
             self._pull(replica)
 
+    def _rescue(self, group: Group, j: int) -> None:
+        """RESCUE: a request a lost replica's pull took goes back to the front of its queue,
+        if it still waits, and to a consumer blocked on the queue."""
+        if self.state[j] != WAITING or not group.alive:
+            return
+        self.stats["rescued"] += 1
+        self._requeue(group, j)
+        for replica in list(group.blocked):
+            if replica.alive:
+                self._pull(replica)
+
     def _host_up(self, dead: list[SimReplica]) -> None:
         group = dead[0].group
         for replica in dead:
@@ -82,7 +94,8 @@ class FaultSide(GatewaySide):
             replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms, early=self.config.pull_early)
             replica.last_launch = -1e18
             replica.ready = True
-            group.blocked.append(replica)
+            if replica not in group.blocked:
+                group.blocked.append(replica)
             replica.asked_at = self.now
         group.num_ready += len(dead)
         for replica in dead:
@@ -143,5 +156,7 @@ class FaultSide(GatewaySide):
                     self.handed_off.append((self.now + self.config.resend_ms, j))
                     continue
                 self.resent_ids.add(j)
+                if self.config.stranded:
+                    self.stranded_ids.add(j)
                 self._move(j)
                 heapq.heappush(self.resent, (self.now + self.config.resend_ms, j))

@@ -54,7 +54,11 @@ class GatewaySide(ReplicaSide):
         handed_back = False
         while blocked:
             replica = blocked[0]
-            if not replica.alive or not (
+            if not replica.alive:
+                if self._lost_pull(replica, i):
+                    return
+                continue
+            if not (
                 self._wants(replica)
                 if group.continuous
                 else replica.gate.wants(now, len(replica.collector.waiting), group.batch_ms)

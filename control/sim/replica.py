@@ -5,14 +5,18 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 
+from control.core import protocol as p
 from control.core.vocab import FREE, PAID, Tier
-from control.sim.events import END, GATE, LAUNCH, SimState
+from control.sim.events import END, GATE, LAUNCH, LOOK, RESCUE, SimState
 from control.sim.group import COPY, Group, SimReplica, is_copy
 from control.sim.states import EXPIRED, LATE, OK, RUNNING, TIERS, WAITING
 from tasks.policy import hedging
 from tasks.policy.collector import Pending
 
-BRPOP_TIMEOUT_MS = 1000.0  # kombu's Redis transport: a BRPOP returns empty after this long
+# A replica's BRPOP returns empty after this long (`protocol.PULL_WAIT_S`), and is sent
+# again at once while its gate lets it.
+BRPOP_TIMEOUT_MS = p.PULL_WAIT_S * 1000.0
+RESCUE_AFTER_MS = 30.0  # a RESCUE round's two looks are this far apart (api/gateway.py)
 
 
 class ReplicaSide(SimState):
@@ -37,11 +41,34 @@ class ReplicaSide(SimState):
             and replica in replica.group.blocked
         )
 
+    def _last_sent(self, replica: SimReplica) -> None:
+        """A consumer blocked in BRPOP since `asked_at` sent it again each time it timed
+        out: the one out now was sent at the last of those."""
+        replica.asked_at = self.now - (self.now - replica.asked_at) % BRPOP_TIMEOUT_MS
+
+    def _lost_pull(self, replica: SimReplica, j: int) -> bool:
+        """The BRPOP a lost replica had out when it stopped takes the message `j` if it
+        has not timed out yet: the broker hands it over, and nothing records it. A
+        gateway's RESCUE round pushes it back to the front of the queue once the
+        replica's pulse has lapsed (`rescue_ms` after the loss), or 30 ms after it was
+        taken, the second of two looks (api/gateway.py). False: the pull had timed out,
+        and the replica leaves the line."""
+        blocked = replica.group.blocked
+        blocked.remove(replica)
+        if self.config.pull_in_flight == "none" or self.now - replica.asked_at >= BRPOP_TIMEOUT_MS:
+            return False
+        at = max(self.died_at.get(replica.index, self.now) + self.config.rescue_ms, self.now + RESCUE_AFTER_MS)
+        self._push(at, RESCUE, replica.group, j)
+        self.stats["taken_lost"] += 1
+        return True
+
     def _shut(self, replica: SimReplica, in_flight: bool = False) -> None:
         """The gate said no: the consumer stops asking, with a timer if it reopens by itself.
         `in_flight`: the gate shut on the replica's side (a batch started) while its BRPOP
         was out: that BRPOP still takes one message."""
         blocked = replica.group.blocked
+        if in_flight and replica.alive and replica in blocked:
+            self._last_sent(replica)
         if in_flight and self._in_flight(replica):
             pass
         elif blocked and blocked[0] is replica:
@@ -59,7 +86,10 @@ class ReplicaSide(SimState):
 
     def _take(self, replica: SimReplica, i: int) -> None:
         collector = replica.collector
-        pending = Pending(str(i), TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now)
+        stranded = i in self.stranded_ids
+        pending = Pending(
+            str(i), TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now, forwarded=stranded, stranded=stranded
+        )
         collector.add(pending)
         if replica.engine is not None:
             if not replica.busy:  # an idle continuous replica admits at once
@@ -151,6 +181,8 @@ class ReplicaSide(SimState):
         self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
         self._pull(replica)
+        if config.hedge_idle and config.hedge != "off":
+            self._look_soon(group, replica.host)
 
     def _take_queued(self, replica: SimReplica, queue: deque[int], tier: Tier, most: int) -> int:
         """Pop up to `most` entries from the front of `queue` (the take's RPOP with a count)
@@ -161,7 +193,10 @@ class ReplicaSide(SimState):
             j = queue.popleft()
             popped += 1
             if self.state[j] == WAITING:
-                pending = Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now)
+                stranded = j in self.stranded_ids
+                pending = Pending(
+                    str(j), tier, self.t[j], self.deadline[j], j, self.now, forwarded=stranded, stranded=stranded
+                )
                 replica.collector.add(pending)
                 if replica.group.list_taken:
                     replica.group.held(pending, self.paid[j], replica.host)
@@ -319,7 +354,8 @@ class ReplicaSide(SimState):
             if state[j] == RUNNING:
                 state[j] = OK if now <= pending.deadline_ms else LATE
                 self.end_ms[j] = now
-        self.batch_sizes.append(num)
+        if num:  # not a batch of copies only (HEDGE_IDLE)
+            self.batch_sizes.append(num)
         replica.batch, replica.busy = [], False
         replica.gate.finish()
         launches = self._peer_launches(replica)
@@ -330,3 +366,67 @@ class ReplicaSide(SimState):
         # ends, the seats its buffer leaves filled from the queue, before the consumer pulls.
         self._try_launch(replica)
         self._pull(replica)
+        if self.config.hedge_idle and self.config.hedge != "off" and self._may_copy_idle(replica):
+            self.looking.add(replica.index)
+            self._push(now + hedging.IDLE_LOOK_MS * self._random(), LOOK, replica, 0)
+
+    # -- copies while idle (HEDGE_IDLE, `Loop.copy_while_idle`) --
+
+    def _may_copy_idle(self, replica: SimReplica) -> bool:
+        """Idle, nothing buffered, no look due, and not the replica the next arrival goes
+        to (with one listener at a time, the one that listens)."""
+        group = replica.group
+        if not (replica.alive and replica.ready) or replica.busy or replica.collector.waiting:
+            return False
+        if replica.index in self.looking:
+            return False
+        return not (self.config.concentrate_idle and group.blocked and group.blocked[0] is replica)
+
+    def _look_soon(self, group: Group, host: str) -> None:
+        """A batch started on `host`: an idle replica of another host that may run copies
+        looks within its next look (each looks every `hedging.IDLE_LOOK_MS`)."""
+        for replica in group.replicas:
+            if replica.host != host and self._may_copy_idle(replica):
+                self.looking.add(replica.index)
+                self._push(self.now + hedging.IDLE_LOOK_MS * self._random(), LOOK, replica, 0)
+                return
+
+    def _look(self, replica: SimReplica) -> None:
+        """An idle replica's look: while `hedging.least_idle` of its model's replicas are
+        idle, a batch of copies of requests whose batch runs on another host, as many as
+        can still answer in time, paid first (`hedging.pick`)."""
+        self.looking.discard(replica.index)
+        if not self._may_copy_idle(replica):
+            return
+        group, config, now = replica.group, self.config, self.now
+        ready = [r for r in group.replicas if r.alive and r.ready]
+        idle = sum(1 for r in ready if not r.busy)
+        if idle < hedging.least_idle(len(ready)):
+            return
+        finish = now + group.batch_ms
+        lapsed = {host for host, at in group.lapses_at.items() if at <= now}
+        found: list[hedging.Candidate] = []
+        for paid in (1, 0):
+            held = group.held_by[paid]
+            del held[: bisect_left(held, (finish + config.margin_ms, -1, ""))]  # none can be copied again
+            for deadline, j, host in held:
+                if host != replica.host and host not in lapsed and j not in self.hedges and self.state[j] == RUNNING:
+                    found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
+        room = group.collector_config.max_batch
+        chosen = hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found)
+        if not chosen:
+            return
+        copies = []
+        for c in chosen:
+            j = int(c.key)
+            self.hedges[j] = replica
+            copies.append(Pending(f"{COPY}{j}", c.tier, self.t[j], c.deadline_ms, j, now))
+        self.stats["hedged"] += len(copies)
+        self.stats["idle_copy_batches"] += 1
+        duration = self._batch_ms(group, copies)
+        replica.batch, replica.busy = copies, True
+        replica.ends_at = now + duration
+        replica.gate.start(now, group.batch_ms)
+        if replica in group.blocked:  # busy: its turn at arrivals passes on
+            group.blocked.remove(replica)
+        self._timer(replica, END, now + duration)

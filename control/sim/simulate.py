@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from control.sim.config import SimConfig
-from control.sim.events import CELL_DOWN, END, GATE, HOST_DOWN, HOST_UP, LAUNCH, REGION_DOWN, SWEEP
+from control.sim.events import CELL_DOWN, END, GATE, HOST_DOWN, HOST_UP, LAUNCH, LOOK, REGION_DOWN, RESCUE, SWEEP
 from control.sim.faults import FaultSide
 from control.sim.group import SimReplica
 from control.sim.result import SimResult
@@ -110,6 +110,10 @@ class Simulation(FaultSide):
                 self._try_launch(replica)
             else:
                 self._pull(replica)
+        elif kind == LOOK:
+            self._look(who)
+        elif kind == RESCUE:
+            self._rescue(who, token)
         elif kind == HOST_DOWN:
             self._host_down()
         elif kind == SWEEP:

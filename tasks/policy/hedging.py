@@ -12,10 +12,14 @@ and the other run's result is dropped (a wasted slot that cost nothing).
   deadline first.
 - A request runs as one copy at most besides its own run: the caller keeps the copies
   already made out of the candidates.
+- At low load no batch runs that a copy could ride. With HEDGE_IDLE an idle replica runs
+  a batch of copies alone, of requests whose batch runs on another host, but only while
+  enough of its model's replicas stay idle for new arrivals (`least_idle`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +28,13 @@ from control.core.vocab import PAID, Tier
 
 HedgeMode = Literal["off", "paid", "all"]
 HEDGE_MODES: tuple[HedgeMode, ...] = ("off", "paid", "all")
+
+# HEDGE_IDLE: an idle replica looks for requests to copy at most this often, and runs a
+# batch of them only while this many other replicas of its model are idle too (the one
+# that listens for arrivals among them), and at least this share of those that launched.
+IDLE_LOOK_MS = 50.0
+IDLE_SPARE = 2
+IDLE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -51,3 +62,11 @@ def pick(
     ]
     fit.sort(key=lambda c: (c.tier != PAID, c.deadline_ms))
     return fit[:room]
+
+
+def least_idle(num_launched: int) -> int:
+    """The idle replicas of a model, the one asking included, without which an idle
+    replica runs no batch of copies (HEDGE_IDLE): itself, `IDLE_SPARE` more for new
+    arrivals, and no fewer than `IDLE_SHARE` of the `num_launched` replicas that launched
+    batches. Past that, arrivals need the idle ones."""
+    return max(1 + IDLE_SPARE, math.ceil(num_launched * IDLE_SHARE))

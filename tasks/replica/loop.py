@@ -18,7 +18,6 @@ cycle). Both policies run these same phases; `policies.py` holds only what diffe
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -46,12 +45,6 @@ BROKER_DOUBT_MS = 1000.0
 # Why a buffered request left with no notice: it can no longer finish a batch here, and a
 # copy of it runs on another host's replica, which may still answer it in time.
 TO_COPY = "to_copy"
-# HEDGE_IDLE: an idle replica looks for requests to copy at most this often, and only while
-# this many other replicas of its model are idle too (the one that listens among them), and
-# at least this share of them: at low load, not where new arrivals need the idle ones.
-IDLE_LOOK_MS = 50.0
-IDLE_SPARE = 2
-IDLE_SHARE = 0.5
 # How far past the take's start its expiry check may fall (the round trip between): the
 # requests that may expire at the take are the ones whose copy keys it reads.
 EXPIRY_LOOKAHEAD_MS = 50.0
@@ -281,14 +274,14 @@ class Loop:
 
     def _may_copy_while_idle(self) -> bool:
         """Idle, nothing buffered, not the replica that listens for the model's arrivals,
-        and not looked in the last `IDLE_LOOK_MS`."""
+        and not looked in the last `hedging.IDLE_LOOK_MS`."""
         r = self.replica
         if not self.copies_while_idle or r.busy or not r.is_taking() or self.policy.running():
             return False
         if r.config.single_listener and r.gate.listens:
             return False
         now = monotonic_ms()
-        if now - self._looked_ms < IDLE_LOOK_MS:
+        if now - self._looked_ms < hedging.IDLE_LOOK_MS:
             return False
         with r.cond:
             if len(r.collector):
@@ -298,9 +291,8 @@ class Loop:
 
     def copy_while_idle(self) -> list[Pending]:
         """A batch of second copies of requests running on other hosts, on this idle
-        replica, while `IDLE_SPARE` more replicas of the model stay idle for new arrivals,
-        and half of them or more are idle:
-        at low load no batch runs that a copy could ride, and a lost host's batch would
+        replica, while enough replicas of the model stay idle for new arrivals
+        (`hedging.least_idle`): at low load no batch runs that a copy could ride, and a lost host's batch would
         end 504 (it is noticed only when its lease lapses). Only requests whose batch
         runs: one buffered starts soon where it is."""
         r = self.replica
@@ -315,7 +307,7 @@ class Loop:
             r.doubt.failed()
             log.warning("could not look for requests to copy while idle")
             return []
-        least_idle = max(1 + IDLE_SPARE, math.ceil(work.launched * IDLE_SHARE))
+        least_idle = hedging.least_idle(work.launched)
         if work.idle < least_idle or not work.running:
             return []
         candidates = _candidates(work.running, set(), None)

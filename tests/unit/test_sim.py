@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from control.core.protocol import PULL_WAIT_S
 from control.policy import admission
 from control.sim import gateway as sim_gateway
 from control.sim import group as sim_group
@@ -16,7 +17,7 @@ from control.sim.config import SimConfig
 from control.sim.cost import CostModel
 from control.sim.simulate import Simulation, simulate
 from control.sim.states import CANCELLED, EXPIRED, LATE, OK, REFUSED, WAITING
-from control.sim.workload import make_workload
+from control.sim.workload import Workload, make_workload
 from tasks.policy.collector import Collector
 from tasks.policy.pullgate import PullGate
 
@@ -418,3 +419,75 @@ def test_free_requests_bumped_by_paid_ones_are_refused_less_and_miss_nothing() -
     assert figures[0.9, False][2] == figures[0.9, True][2] == 0, figures
     assert figures[2.0, True][1:3] == (0, 0) and figures[2.0, True][3] > 0, figures
     assert figures[0.9, False][3] == figures[2.0, False][3] == 0, figures
+
+
+def _requests_at(*t_ms: float) -> Workload:
+    """Free requests sent at these times, one model, one region, no session."""
+    n = len(t_ms)
+    return Workload(
+        np.asarray(t_ms, dtype=np.float64),
+        np.zeros(n, dtype=bool),
+        np.zeros(n, dtype=np.int8),
+        np.zeros(n, dtype=np.int8),
+        np.full(n, -1, dtype=np.int32),
+        np.full(n, 300, dtype=np.int16),
+        np.full(n, 16, dtype=np.int16),
+    )
+
+
+def _lost_host_run(workload: Workload, **kw: object) -> tuple[Simulation, np.ndarray]:
+    """4 replicas of batch 16 as 2 hosts of 2, a 600 ms budget, hedging on; the first host
+    (replicas 0 and 1, the first in the BRPOP line) lost 5 s in."""
+    config = make_config(
+        4, max_batch=16, budget_ms=600, hedge="all", host_size=2, host_loss_at_s=5.0, restart_s=7.0, **kw
+    )
+    run = Simulation(config, workload)
+    return run, run.run().state
+
+
+def test_at_low_load_idle_replicas_run_copies_that_answer_what_a_lost_host_ran() -> None:
+    """HEDGE_IDLE (`hedge_idle`): a lone request runs on the first host from 4.82 s, and no
+    other batch runs that a copy could ride. The host is lost at 5 s, noticed 400 ms later,
+    too late for another batch: it ends 504. With HEDGE_IDLE an idle replica of the other
+    host runs a batch of its copy within a look (`hedging.IDLE_LOOK_MS`), while three of the
+    four replicas stay idle (`hedging.least_idle`), and the copy answers it."""
+    for idle in (False, True):
+        run, state = _lost_host_run(_requests_at(4800.0), hedge_idle=idle)
+        assert run.lost_running == {0}
+        assert state[0] == (OK if idle else EXPIRED)
+        assert run.stats["idle_copy_batches"] == run.stats["hedge_wins"] == int(idle)
+    # No loss, at 5% load: batches of copies run, and every request is answered 200 once.
+    config = make_config(4, max_batch=16, budget_ms=600, hedge="all", host_size=2, hedge_idle=True)
+    calm = Simulation(config, make_workload(0.05 * 4 * 16 * 4, 10, paid_fraction=0.3, seed=1))
+    result = calm.run()
+    assert calm.stats["idle_copy_batches"] > 0
+    assert calm.stats["hedged"] == calm.stats["hedge_wins"] + calm.stats["hedge_wasted"]
+    assert set(np.unique(result.state)) == {OK}
+
+
+def test_idle_replicas_run_no_copies_where_too_few_stay_idle_for_arrivals() -> None:
+    """Two replicas, one a host: an idle one would leave no other idle for arrivals
+    (`hedging.least_idle` is 3), so none runs a batch of copies."""
+    from tasks.policy.hedging import least_idle
+
+    assert [least_idle(n) for n in (1, 2, 4, 6, 7, 10)] == [3, 3, 3, 3, 4, 5]
+    config = make_config(2, max_batch=16, budget_ms=600, hedge="all", host_size=1, hedge_idle=True)
+    run = Simulation(config, make_workload(10, 10, seed=1))
+    run.run()
+    assert run.stats["idle_copy_batches"] == 0 and run.stats["hedged"] > 0
+
+
+def test_what_a_lost_replicas_last_pull_took_goes_back_to_the_queue_and_is_answered() -> None:
+    """The first replica's BRPOP is out when its host stops at 5 s, and takes the request
+    sent 40 ms later, which nothing records. RESCUE puts it back at the front of the queue
+    `rescue_ms` after the loss, and a survivor answers it. A pull out for longer than
+    `protocol.PULL_WAIT_S` had timed out and takes nothing; with no pull in flight
+    (`pull_in_flight="none"`) nothing is taken either."""
+    run, state = _lost_host_run(_requests_at(4880.0, 5040.0))
+    assert run.stats["taken_lost"] == run.stats["rescued"] == 1
+    assert list(state) == [OK, OK]
+    late = 5000.0 + 1000.0 * PULL_WAIT_S + 30.0  # the stopped replica's BRPOP has timed out
+    run, state = _lost_host_run(_requests_at(4880.0, late))
+    assert run.stats["taken_lost"] == 0 and list(state) == [OK, OK]
+    run, state = _lost_host_run(_requests_at(4880.0, 5040.0), pull_in_flight="none")
+    assert run.stats["taken_lost"] == 0 and list(state) == [OK, OK]
