@@ -322,8 +322,9 @@ def plan(inputs: Inputs) -> dict[str, Any]:
 
 def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: float, why: str) -> dict[str, Any]:
     """A region at the recommended counts and `region_rps` loses a host of `host_size`
-    replicas of its first model halfway through, back 5 s later: what its users see with
-    each hedging mode (tasks/policy/hedging.py), on the same arrivals."""
+    replicas of its first model halfway through, the one that runs and holds the most
+    requests then, back 5 s later: what its users see with each hedging mode
+    (tasks/policy/hedging.py), on the same arrivals."""
     workload = _workload(inputs, models, region_rps)
     paid = workload.paid.astype(bool)
     out: dict[str, Any] = {
@@ -336,6 +337,7 @@ def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: 
         config = sim_config(inputs, counts, models)
         config.host_loss_at_s, config.host_size, config.hedge = inputs.sim_seconds / 2, inputs.host_size, mode
         config.hedge_idle = inputs.hedge_idle and mode != "off"
+        config.host_loss_busiest = True
         result = simulate_split(config, workload, used_processes(config, inputs.processes or None))
         outcomes = result.counts()
         out[mode] = {

@@ -56,6 +56,10 @@ class SimConfig:
     # start elsewhere, or of its own batch's end.
     hedge_idle: bool = False
     host_loss_at_s: float | None = None  # one host of the first group dies then
+    # Which: the first (its replicas first in the BRPOP line), or the one whose replicas
+    # run and hold the most requests then (a single loss of an idle host costs nothing, and
+    # which host is idle at a moment is chance).
+    host_loss_busiest: bool = False
     restart_s: float = 5.0  # and is back this long after
     detect_ms: float = 400.0  # lease (300 ms) lapsed + the next sweep (every 100 ms)
     lease_ms: float = 300.0  # a lost replica's requests may be copied until its lease lapses

@@ -20,6 +20,12 @@ class FaultSide(GatewaySide):
         lease lapses and a sweep re-queues what they held (control/broker/scripts.py, SWEEP)."""
         group = self.groups[0]
         dead = [r for r in group.replicas if r.alive][: self.config.host_size]
+        if self.config.host_loss_busiest:
+            hosts: dict[str, list[SimReplica]] = {}
+            for replica in group.replicas:
+                if replica.alive:
+                    hosts.setdefault(replica.host, []).append(replica)
+            dead = max(hosts.values(), key=lambda rs: sum(len(r.held()) for r in rs))
         for replica in dead:
             replica.alive = False
             replica.tokens = [t + 1 for t in replica.tokens]
