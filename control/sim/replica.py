@@ -400,8 +400,8 @@ class ReplicaSide(SimState):
             return
         group, config, now = replica.group, self.config, self.now
         ready = [r for r in group.replicas if r.alive and r.ready]
-        idle = sum(1 for r in ready if not r.busy)
-        if idle < hedging.least_idle(len(ready)):
+        mode, _least, gather = hedging.idle_mode(config.hedge, sum(1 for r in ready if not r.busy), len(ready))
+        if mode == "off":
             return
         finish = now + group.batch_ms
         lapsed = {host for host, at in group.lapses_at.items() if at <= now}
@@ -413,8 +413,12 @@ class ReplicaSide(SimState):
                 if host != replica.host and host not in lapsed and j not in self.hedges and self.state[j] == RUNNING:
                     found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
         room = group.collector_config.max_batch
-        chosen = hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found)
+        chosen = hedging.pick(mode, room, replica.host, finish, config.margin_ms, found)
         if not chosen:
+            return
+        if gather and not hedging.copies_due(chosen, room, now, group.batch_ms, config.margin_ms):
+            self.looking.add(replica.index)  # more may come: it looks again
+            self._push(now + hedging.IDLE_LOOK_MS, LOOK, replica, 0)
             return
         copies = []
         for c in chosen:

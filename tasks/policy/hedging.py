@@ -31,10 +31,12 @@ HEDGE_MODES: tuple[HedgeMode, ...] = ("off", "paid", "all")
 
 # HEDGE_IDLE: an idle replica looks for requests to copy at most this often, and runs a
 # batch of them only while this many other replicas of its model are idle too (the one
-# that listens for arrivals among them), and at least this share of those that launched.
+# that listens for arrivals among them), and at least this share of those that launched;
+# of paid requests alone while at least the paid share of them is idle.
 IDLE_LOOK_MS = 50.0
 IDLE_SPARE = 2
 IDLE_SHARE = 0.5
+IDLE_SHARE_PAID = 0.25
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,45 @@ def pick(
     return fit[:room]
 
 
-def least_idle(num_launched: int) -> int:
+def least_idle(num_launched: int, share: float = IDLE_SHARE) -> int:
     """The idle replicas of a model, the one asking included, without which an idle
     replica runs no batch of copies (HEDGE_IDLE): itself, `IDLE_SPARE` more for new
-    arrivals, and no fewer than `IDLE_SHARE` of the `num_launched` replicas that launched
+    arrivals, and no fewer than `share` of the `num_launched` replicas that launched
     batches. Past that, arrivals need the idle ones."""
-    return max(1 + IDLE_SPARE, math.ceil(num_launched * IDLE_SHARE))
+    return max(1 + IDLE_SPARE, math.ceil(num_launched * share))
+
+
+def idle_mode(mode: HedgeMode, num_idle: int, num_launched: int) -> tuple[HedgeMode, int, bool]:
+    """What an idle replica's batch of copies may hold (HEDGE_IDLE), the least number of
+    idle replicas that allows it, and whether the copies gather into a full batch first
+    (`copies_due`):
+    - the tiers `mode` copies, started at once, while half the replicas are idle
+      (`least_idle`): low load, where a batch of copies costs an idle accelerator;
+    - paid requests alone, gathered, while a quarter are (`IDLE_SHARE_PAID`): at normal
+      load a fleet whose batches are full has no empty slot for a copy, and the paid
+      share of the load, copied in full batches, fits in the replicas it leaves idle
+      (one copy batch per primary one would double the batches);
+    - ("off", 0, False) below that."""
+    if mode == "off":
+        return "off", 0, False
+    most = least_idle(num_launched)
+    if num_idle >= most:
+        return mode, most, False
+    paid = least_idle(num_launched, IDLE_SHARE_PAID)
+    if num_idle >= paid:
+        return "paid", paid, True
+    return "off", 0, False
+
+
+def copies_due(chosen: list[Candidate], room: int, now_ms: float, batch_ms: float, margin_ms: float) -> bool:
+    """Does an idle replica start its batch of the `chosen` copies now? When they fill it,
+    or when one of them could not wait for the next look (`IDLE_LOOK_MS`, twice over for a
+    late look) and still be answered in time. Otherwise the copies wait for more: a batch
+    costs the same with 1 copy or `room`, and a copy started at its last moment answers a
+    lost request as surely as one started at once."""
+    if not chosen:
+        return False
+    if len(chosen) >= room:
+        return True
+    last_start = min(c.deadline_ms for c in chosen) - margin_ms - batch_ms
+    return last_start < now_ms + 2 * IDLE_LOOK_MS

@@ -249,11 +249,17 @@ class Loop:
         return self._take_copies(room, finish_ms, candidates, least_idle=0)
 
     def _take_copies(
-        self, room: int, finish_ms: float, candidates: list[hedging.Candidate], least_idle: int
+        self,
+        room: int,
+        finish_ms: float,
+        candidates: list[hedging.Candidate],
+        least_idle: int,
+        mode: hedging.HedgeMode | None = None,
     ) -> list[Pending]:
         r = self.replica
         margin = r.collector.config.margin_ms
-        chosen = [c.key for c in hedging.pick(r.config.hedge, room, r.host(), finish_ms, margin, candidates)]
+        tiers = mode or r.config.hedge
+        chosen = [c.key for c in hedging.pick(tiers, room, r.host(), finish_ms, margin, candidates)]
         if not chosen:
             return []
         try:
@@ -292,9 +298,10 @@ class Loop:
     def copy_while_idle(self) -> list[Pending]:
         """A batch of second copies of requests running on other hosts, on this idle
         replica, while enough replicas of the model stay idle for new arrivals
-        (`hedging.least_idle`): at low load no batch runs that a copy could ride, and a lost host's batch would
-        end 504 (it is noticed only when its lease lapses). Only requests whose batch
-        runs: one buffered starts soon where it is."""
+        (`hedging.idle_mode`): at low load no batch runs that a copy could ride, and a
+        lost host's batch would end 504 (it is noticed only when its lease lapses); at
+        normal load, of paid requests only, gathered into a full batch unless one cannot
+        wait. Only requests whose batch runs: one buffered starts soon where it is."""
         r = self.replica
         if r.doubt.skips():
             return []
@@ -307,17 +314,22 @@ class Loop:
             r.doubt.failed()
             log.warning("could not look for requests to copy while idle")
             return []
-        least_idle = hedging.least_idle(work.launched)
-        if work.idle < least_idle or not work.running:
+        mode, least_idle, gather = hedging.idle_mode(r.config.hedge, work.idle, work.launched)
+        if mode == "off" or not work.running:
             return []
         candidates = _candidates(work.running, set(), None)
+        room, margin = r.collector.config.max_batch, r.collector.config.margin_ms
+        if gather:  # paid copies at normal load: a full batch, or one that cannot wait
+            chosen = hedging.pick(mode, room, r.host(), finish, margin, candidates)
+            if not hedging.copies_due(chosen, room, now, batch_ms, margin):
+                return []
         # Busy before the take: the gate shuts (what a pull already out brings goes back to
         # the queue) and the listener's turn passes on, so no arrival waits behind copies.
         with r.cond:
             if len(r.collector) or r.busy or (r.config.single_listener and r.gate.listens):
                 return []
             r.start_batch(now, batch_ms)
-        copies = self._take_copies(r.collector.config.max_batch, finish, candidates, least_idle)
+        copies = self._take_copies(room, finish, candidates, least_idle, mode)
         with r.cond:
             if not copies:
                 r.busy = False

@@ -140,6 +140,45 @@ def test_an_idle_replica_on_another_host_runs_a_copy_of_a_request_whose_own_run_
             replica.stop()
 
 
+def test_with_a_quarter_of_the_pool_idle_an_idle_replica_gathers_paid_copies_until_one_must_start(
+    state: redis.Redis,
+) -> None:
+    """Three of ten replicas idle (six more have launched batches): fewer than half, so
+    HEDGE_IDLE copies paid requests only, gathered into a batch until one of them must
+    start (`hedging.copies_due`). A paid and a free request run on a slow replica (3 s
+    batches) with a 3.2 s budget: the looks leave the paid one's copy to gather until its
+    last start (3.2 s less the margin and a batch) is within two looks, then run it; the
+    free one is not copied."""
+    messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
+    slow = _replica(state, "r-slow", "host-a", 3_000.0, "all", hedge_idle=True)
+    idle = [_replica(state, f"r-idle-{i}", "host-b", 100.0, "all", hedge_idle=True, lease_ms=300.0) for i in range(3)]
+    for replica in (slow, *idle):
+        replica.start()
+    try:
+        assert until(lambda: state.zcard(keys.idle_key(MODEL)) == 4, 5)
+        state.zadd(keys.launch_key(MODEL), {f"r-busy-{i}": 1.0 for i in range(6)})
+        now = BrokerClock(state).now_ms()
+        slow.submit(_admit(state, messages, 1, "paid", now, budget_ms=3_200))
+        slow.submit(_admit(state, messages, 2, "free", now, budget_ms=3_200))
+        assert until(lambda: slow.busy, 5)
+
+        def copied() -> int:
+            return sum(r.stats.idle_copy_batches for r in idle)
+
+        # Its last start is 3,085 ms in; looks find it due from 2,885 ms.
+        assert not until(lambda: copied() > 0, (now + 2_700 - BrokerClock(state).now_ms()) / 1000)
+        assert until(lambda: copied() == 1, 2)
+        started_ms = BrokerClock(state).now_ms() - now
+        assert 2_700 <= started_ms <= 3_200, started_ms
+        assert sum(r.stats.hedged for r in idle) == 1  # the paid one only
+        items: dict[str, list[dict]] = {}
+        assert until(lambda: _answers(state, items) >= 2, 5)
+        assert items["a2"][0]["hedged"] is False and len(items["a1"]) == 1
+    finally:
+        for replica in (*idle, slow):
+            replica.stop()
+
+
 @contextmanager
 def _one_buffered(
     state: redis.Redis, slow_ms: float, other: str, other_ms: float, budget_ms: float = 8_000

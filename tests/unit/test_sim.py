@@ -491,3 +491,51 @@ def test_what_a_lost_replicas_last_pull_took_goes_back_to_the_queue_and_is_answe
     assert run.stats["taken_lost"] == 0 and list(state) == [OK, OK]
     run, state = _lost_host_run(_requests_at(4880.0, 5040.0), pull_in_flight="none")
     assert run.stats["taken_lost"] == 0 and list(state) == [OK, OK]
+
+
+def test_idle_copies_take_every_tier_while_half_the_pool_is_idle_and_paid_gathered_while_a_quarter_is() -> None:
+    from tasks.policy.hedging import Candidate, copies_due, idle_mode
+
+    assert idle_mode("all", 12, 24) == ("all", 12, False)
+    assert idle_mode("all", 11, 24) == ("paid", 6, True)
+    assert idle_mode("paid", 6, 24) == ("paid", 6, True)
+    assert idle_mode("all", 5, 24) == ("off", 0, False)
+    assert idle_mode("all", 3, 4) == ("all", 3, False)  # a small pool: the spare replicas decide
+    assert idle_mode("all", 2, 4) == ("off", 0, False)
+    assert idle_mode("off", 24, 24) == ("off", 0, False)
+    copies = [Candidate(k, "paid", deadline, "b") for k, deadline in enumerate((900.0, 1000.0))]
+    # Two copies of a batch of 4 wait for more while the first may still start after the
+    # next look (its last start: 900 - 15 - 250 = 635); they start once it may not.
+    assert not copies_due(copies, 4, 500.0, 250.0, 15.0)
+    assert copies_due(copies, 4, 540.0, 250.0, 15.0)
+    assert copies_due(copies, 2, 500.0, 250.0, 15.0)  # a full batch starts at once
+    assert not copies_due([], 4, 540.0, 250.0, 15.0)
+
+
+def test_at_normal_load_idle_replicas_gather_paid_copies_that_answer_a_lost_hosts_paid_requests() -> None:
+    """24 replicas of batch 64 as 3 hosts of 8, 60% load: batches are nearly full, so few
+    free slots carry copies, and fewer than half the replicas are idle. The busiest host
+    lost ends its paid requests 504. With HEDGE_IDLE, idle replicas (a quarter of the pool
+    and more) run batches of copies of paid requests, gathered, and none ends 504."""
+    workload = make_workload(0.6 * 24 * 64 * 4, 10, paid_fraction=0.2, seed=1)
+    paid = workload.paid.astype(bool)
+    failed = {}
+    for idle in (False, True):
+        config = make_config(
+            24,
+            max_batch=64,
+            budget_ms=540,
+            hedge="all",
+            hedge_idle=idle,
+            host_size=8,
+            host_loss_at_s=5.0,
+            host_loss_busiest=True,
+            concentrate_idle=True,
+        )
+        run = Simulation(config, workload)
+        state = run.run().state
+        lost = np.asarray(sorted(run.lost_running | run.lost_buffered))
+        assert len(lost) > 100 and paid[lost].sum() > 20
+        failed[idle] = int(((state == EXPIRED) | (state == LATE))[paid].sum())
+        assert (run.stats["idle_copy_batches"] > 0) == idle
+    assert failed[False] > 20 and failed[True] == 0, failed
