@@ -144,6 +144,12 @@ class Settings(BaseSettings):
         "when its batch starts, so idle replicas do not split arrivals into small batches that start together "
         "(static batching, native collector; docs/decisions/0033)",
     )
+    lead_yields: bool = Field(
+        True,
+        description="with SINGLE_LISTENER, a busy replica in its lead pulls only while no idle replica listens "
+        "for its model's arrivals: they go to the listener's batch, not into busy replicas' next ones "
+        "(docs/decisions/0036)",
+    )
     collector: Literal["native", "chord"] = Field(
         "native",
         description="native: a replica runs its batches itself; chord: each as a Celery chord (docs/decisions/0001)",

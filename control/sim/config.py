@@ -29,6 +29,9 @@ class SimConfig:
     # not split arrivals and start small batches together (live, the one idle replica that
     # holds the model's listener token waits on the queue, and hands it on at its start).
     concentrate_idle: bool = False
+    # LEAD_YIELDS (with `concentrate_idle`): a busy replica pulls in its lead only while no
+    # peer is idle (read as its lead starts), so the arrivals go to the idle one gathering.
+    lead_yields: bool = True
     margin_ms: float = 15.0
     budget_ms: float = 540.0  # the client's deadline at the gateway (the SLO less the network)
     max_queue_paid: int = 4096

@@ -97,7 +97,12 @@ class FaultSide(GatewaySide):
             replica.alive = True
             replica.collector = Collector(group.collector_config)
             replica.engine = group.new_engine()
-            replica.gate = PullGate(self.config.max_batch, self.config.pull_lead_ms, early=self.config.pull_early)
+            replica.gate = PullGate(
+                self.config.max_batch,
+                self.config.pull_lead_ms,
+                early=self.config.pull_early,
+                lead_yields=self.config.concentrate_idle and self.config.lead_yields,
+            )
             replica.last_launch = -1e18
             replica.ready = True
             if replica not in group.blocked:

@@ -101,7 +101,12 @@ class Group:
                 sim.next_replica(),
                 self,
                 self.collector_config,
-                PullGate(config.max_batch, config.pull_lead_ms, early=config.pull_early),
+                PullGate(
+                    config.max_batch,
+                    config.pull_lead_ms,
+                    early=config.pull_early,
+                    lead_yields=config.concentrate_idle and config.lead_yields,
+                ),
             )
             for _ in range(config.replicas[model])
         ]

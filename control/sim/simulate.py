@@ -109,6 +109,8 @@ class Simulation(FaultSide):
             elif kind == LAUNCH:
                 self._try_launch(replica)
             else:
+                if replica.busy and replica.gate.lead_yields:  # its lead: does an idle peer listen?
+                    replica.gate.listener_elsewhere = self._peer_idle(replica)
                 self._pull(replica)
         elif kind == LOOK:
             self._look(who)

@@ -11,7 +11,10 @@ starts next:
   so its next batch is buffered when the running one ends. What arrives earlier waits
   in the shared queue, where a paid request still goes ahead of every free one, and
   the take fills the seats the buffer leaves empty (`ReplicaBroker.take`). An idle
-  peer takes everything (low load: idle replicas first).
+  peer takes everything (low load: idle replicas first): with `lead_yields` a busy
+  replica does not pull in its lead while an idle peer listens for the model's
+  arrivals (SINGLE_LISTENER), or the arrivals it took would leave the listener's batch
+  part empty and the idle replicas idle.
 - With `early` (PULL_EARLY), a busy replica that no other frees before pulls its next
   batch at once: what arrives goes to whichever replica starts next, but into a buffer
   filled with free requests long before it starts, which a paid request arriving later
@@ -44,6 +47,10 @@ class PullGate:
     # SINGLE_LISTENER: idle with nothing gathered, it pulls only while it holds its model's
     # listener token (another idle replica listens otherwise); busy ones pull from their lead.
     listens: bool = True
+    # LEAD_YIELDS (with SINGLE_LISTENER): in its lead, a busy replica pulls only while no
+    # idle peer listens, as last read (`listener_elsewhere`, assumed at each batch's start).
+    lead_yields: bool = False
+    listener_elsewhere: bool = False
     ends_at_ms: float = 0.0  # when the running batch is expected to end
     peer_idle: bool = True  # until the first batch says otherwise
     peer_launches: list[float] = field(default_factory=list)  # when the model's other replicas last started
@@ -59,6 +66,7 @@ class PullGate:
         """A batch (or the first request on a continuous engine) starts now."""
         self.busy = True
         self.ends_at_ms = now_ms + batch_ms
+        self.listener_elsewhere = self.lead_yields  # until its lead reads the token
 
     def finish(self) -> None:
         self.busy = False
@@ -81,7 +89,7 @@ class PullGate:
         if buffered >= self.max_batch:
             return False
         if now_ms >= self.ends_at_ms - self.lead_ms:  # `pull_at_ms`, asked before every pull
-            return True
+            return not (self.lead_yields and self.listener_elsewhere)
         return self.early and not self.peer_idle and not self._num_peers_free_first(now_ms, batch_ms)
 
     def wants_continuous(self, buffered: int, free_slots: int) -> bool:

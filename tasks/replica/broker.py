@@ -125,6 +125,11 @@ class ReplicaBroker:
         """The model's listener token, if no other replica holds it."""
         return bool(self.redis.set(keys.listener_key(model), self.name, nx=True, px=ttl_ms))
 
+    def listener_holder(self, model: str) -> str:
+        """The replica that holds the model's listener token ("": none)."""
+        held = self.redis.get(keys.listener_key(model))
+        return held.decode() if isinstance(held, bytes) else (held or "")
+
     def renew_listener(self, model: str, ttl_ms: int) -> bool:
         """Keep the token another `ttl_ms`; False: it is not this replica's any more."""
         return bool(self._listener([keys.listener_key(model), keys.listener_turn_key(model)], [self.name, ttl_ms]))

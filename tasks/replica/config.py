@@ -27,3 +27,4 @@ class ReplicaConfig:
     hand_back: bool = True  # what a pull sent before the gate shut brings goes back to the queue
     hand_back_rest: bool = False  # what a static batch leaves in the buffer goes back for a peer's start
     single_listener: bool = False  # idle, it waits on the queue only while it holds its model's listener token
+    lead_yields: bool = False  # with single_listener: busy, it pulls in its lead only while no idle replica listens

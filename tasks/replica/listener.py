@@ -6,7 +6,8 @@ its first request, and they start and end together (docs/decisions/0033). Here a
 replica with nothing gathered pulls only while it holds its model's listener token. The
 holder keeps the token while it gathers, so every arrival reaches it. It hands the token
 on when its batch starts, and one idle replica blocked on the turn list takes it. Busy
-replicas pull from their lead as before (`PullGate`).
+replicas pull from their lead (`PullGate`), with LEAD_YIELDS only while no idle replica
+holds the token: this thread reads it every `WAIT_S` from a busy replica's lead on.
 
 A holder that dies loses the token when it expires (`TOKEN_MS`); the waiting replicas
 try to take it every `WAIT_S`. While no one holds it, arrivals wait for the next holder
@@ -39,6 +40,7 @@ class Listener:
         self.replica = replica
         self.enabled = replica.config.single_listener and not replica.engine.continuous
         replica.gate.listens = not self.enabled
+        replica.gate.lead_yields = self.enabled and replica.config.lead_yields
         self.changed = replica.turn  # busy or state changed, or the replica stops
         self._held = ""  # the model whose token this replica holds
         self.thread = threading.Thread(target=self._run, name=f"listener-{replica.name}", daemon=True)
@@ -79,6 +81,9 @@ class Listener:
         if self._held and (r.busy or full or self._held != r.model or not r.is_taking()):
             self._hand_on()  # full: a holder waiting out its stagger pulls no more
             return
+        if r.busy and r.is_taking() and r.gate.lead_yields:
+            self._watch_lead()
+            return
         if not r.is_taking() or r.busy:
             self.changed.wait(AWAY_S if not r.is_taking() else 1.0)
             return
@@ -98,6 +103,23 @@ class Listener:
             r.wake()  # the consumer asks the gate again
             return
         r.broker.await_listener(model, WAIT_S)
+
+    def _watch_lead(self) -> None:
+        """Busy (LEAD_YIELDS): from its lead on, read every `WAIT_S` whether another
+        replica holds the model's listener token; the consumer pulls in the lead only
+        while none does, and is woken when the token is gone."""
+        r = self.replica
+        until_lead_s = (r.gate.pull_at_ms - r.clock.now_ms()) / 1000.0
+        if until_lead_s > 0:
+            self.changed.wait(min(until_lead_s, 1.0))
+            return
+        holder = r.broker.listener_holder(r.model)
+        elsewhere = holder not in ("", r.name)
+        was = r.gate.listener_elsewhere
+        r.gate.listener_elsewhere = elsewhere
+        if was and not elsewhere:
+            r.wake()  # the consumer asks the gate again
+        self.changed.wait(WAIT_S)
 
     def _hand_on(self) -> None:
         held, self._held = self._held, ""

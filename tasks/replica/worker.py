@@ -72,6 +72,7 @@ def replica_config(s: Settings, name: str, model: str, engine: Engine) -> Replic
         hand_back=s.hand_back_pulls,
         hand_back_rest=s.hand_back_rest,
         single_listener=s.single_listener and s.collector == "native",
+        lead_yields=s.lead_yields,
         host=s.host,
         hedge=s.hedge,
         hedge_idle=s.hedge_idle,

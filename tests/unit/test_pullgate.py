@@ -86,3 +86,23 @@ def test_a_continuous_replica_pulls_for_its_free_slots_and_one_behind() -> None:
     assert not gate.wants_continuous(buffered=4, free_slots=3)
     assert gate.wants_continuous(buffered=0, free_slots=0)  # one behind a full engine
     assert not gate.wants_continuous(buffered=1, free_slots=0)
+
+
+def test_with_lead_yields_a_busy_replica_pulls_in_its_lead_only_while_no_idle_peer_listens() -> None:
+    """LEAD_YIELDS: at each batch's start a listener elsewhere is assumed until the lead
+    reads the token; while one listens, the lead pulls nothing (the arrivals fill the
+    listener's batch); once none does, the lead pulls as before."""
+    clock = ManualClock(1000.0)
+    gate = busy_gate(clock, lead_yields=True)
+    assert gate.listener_elsewhere
+    clock.advance(BATCH_MS - 40.0)
+    assert not gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
+    gate.listener_elsewhere = False  # the lead read the token: nobody holds it
+    assert gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
+    gate.finish()
+    gate.start(clock.now_ms(), BATCH_MS)  # the next batch assumes a listener again
+    clock.advance(BATCH_MS - 40.0)
+    assert not gate.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)
+    plain = busy_gate(clock)  # without it the lead pulls whoever listens
+    clock.advance(BATCH_MS - 40.0)
+    assert not plain.listener_elsewhere and plain.wants(clock.now_ms(), buffered=0, batch_ms=BATCH_MS)

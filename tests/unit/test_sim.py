@@ -539,3 +539,32 @@ def test_at_normal_load_idle_replicas_gather_paid_copies_that_answer_a_lost_host
         failed[idle] = int(((state == EXPIRED) | (state == LATE))[paid].sum())
         assert (run.stats["idle_copy_batches"] > 0) == idle
     assert failed[False] > 20 and failed[True] == 0, failed
+
+
+def test_one_listener_keeps_full_batches_after_a_disturbance_where_busy_replicas_yield_their_lead() -> None:
+    """16 replicas of batch 64 at 65% load, one listener at a time: idle replicas gather
+    full batches. Four batches of copies in the first 0.1 s (every replica idle then) moved
+    the fleet for good into batches fed by busy replicas' lead pulls, a third smaller, with
+    no replica idle; with `lead_yields` (a busy replica pulls in its lead only while no peer
+    is idle) the same disturbance leaves the batches as full as without it."""
+    workload = make_workload(2667, 20, paid_fraction=0.2, seed=1)
+    mean = {}
+    for yields in (False, True):
+        for idle in (False, True):
+            config = make_config(
+                16,
+                max_batch=64,
+                batch_ms=251,
+                budget_ms=540,
+                concentrate_idle=True,
+                hedge="paid",
+                hedge_idle=idle,
+                host_size=8,
+                lead_yields=yields,
+            )
+            run = Simulation(config, workload)
+            result = run.run()
+            assert (run.stats["idle_copy_batches"] > 0) == idle
+            mean[yields, idle] = float(np.mean(result.batch_sizes))
+    assert mean[False, False] > 50 and mean[False, True] < 45, mean
+    assert min(mean[True, False], mean[True, True]) > 50, mean
