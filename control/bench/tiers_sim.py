@@ -4,8 +4,10 @@ how far urgency looks then, `SimConfig.rest_horizon`, a share of a slot), busy r
 pulling their next batch before their lead (`PULL_EARLY`), admission counting the
 starts the replicas' phases hold (`ADMIT_PHASED`), arrivals going to an idle replica
 already gathering a batch rather than to the next idle one in line
-(`SINGLE_LISTENER`, `SimConfig.concentrate_idle`), or free requests admitted with no room
-kept for paid ones, which bump them where they must (`ADMIT_BUMP`, `SimConfig.admit_bump`).
+(`SINGLE_LISTENER`, `SimConfig.concentrate_idle`), free requests admitted with no room
+kept for paid ones, which bump them where they must (`ADMIT_BUMP`, `SimConfig.admit_bump`),
+or, with one listener at a time in both arms, busy replicas yielding their lead to an idle
+listener (`LEAD_YIELDS`, `SimConfig.lead_yields`).
 
 Each case is R replicas of batch B on the fixed 250 ms backend (plus up to `--jitter-ms`,
 as batches stretch on a CPU-bound machine), 30% paid, a 600 ms budget and free-slot
@@ -41,6 +43,7 @@ class Run(NamedTuple):
     phased: bool = False
     concentrate: bool = False
     bump: bool = False
+    lead_yields: bool = True
 
 
 # Each switch's field of `Run`, and the key its arm has in a run's figures.
@@ -50,11 +53,12 @@ SWITCHES = {
     "admit-phased": ("phased", "admit_phased"),
     "concentrate": ("concentrate", "concentrate_idle"),
     "bump": ("bump", "admit_bump"),
+    "lead-yields": ("lead_yields", "lead_yields"),
 }
 
 
 def _one(run: Run) -> dict[str, Any]:
-    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased, concentrate, bump = run
+    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased, concentrate, bump, yields = run
     config = SimConfig(
         replicas=[replicas],
         max_batch=batch,
@@ -67,6 +71,7 @@ def _one(run: Run) -> dict[str, Any]:
         admit_phased=phased,
         concentrate_idle=concentrate,
         admit_bump=bump,
+        lead_yields=yields,
     )
     result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
     tiers, counts = result.by_tier(), result.counts()
@@ -81,6 +86,7 @@ def _one(run: Run) -> dict[str, Any]:
         "admit_phased": phased,
         "concentrate_idle": concentrate,
         "admit_bump": bump,
+        "lead_yields": yields,
         "bumped": result.stats["bumped"],
         "ok_per_s": round(counts.get("ok", 0) / seconds, 1),
         "status_429": counts.get("refused_429", 0),
@@ -103,8 +109,9 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
         print(f"keybatch bench tiers-sim: {exc}")
         return 2
     field, key = SWITCHES[args.switch]
+    both = {"concentrate": True} if args.switch == "lead-yields" else {}  # it applies to one listener
     runs = [
-        Run(r, b, load, args.seconds, args.jitter_ms)._replace(**{field: on})
+        Run(r, b, load, args.seconds, args.jitter_ms)._replace(**both, **{field: on})
         for r, b in cases
         for load in loads
         for on in (False, True)
@@ -123,6 +130,7 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
         "admit-phased": "admit phased",
         "concentrate": "concentrate idle",
         "bump": "bump free",
+        "lead-yields": "lead yields",
     }.get(args.switch, "hand back the rest")
     table = Table(title=f"Paid against free, simulated ({switch}: off / on)")
     for col in ("case", "load", switch if args.switch != "hand-back" else "horizon", "answered 200/s", "429", "504"):

@@ -287,11 +287,12 @@ def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--horizons", default="0.6,0.85", help="other urgency horizons tried at 110%% and 200%%")
     p.add_argument(
         "--switch",
-        choices=["hand-back", "pull-early", "admit-phased", "concentrate", "bump"],
+        choices=["hand-back", "pull-early", "admit-phased", "concentrate", "bump", "lead-yields"],
         default="hand-back",
         help="what each case runs off and on: HAND_BACK_REST, PULL_EARLY, ADMIT_PHASED, arrivals concentrated "
-        "on an idle replica already gathering (SINGLE_LISTENER), or free requests bumped by paid ones "
-        "(ADMIT_BUMP); no other horizons then",
+        "on an idle replica already gathering (SINGLE_LISTENER), free requests bumped by paid ones "
+        "(ADMIT_BUMP), or busy replicas yielding their lead to an idle listener (LEAD_YIELDS, one listener "
+        "in both arms); no other horizons then",
     )
     p.add_argument("--jitter-ms", type=float, default=0.0, help="a batch takes 250 ms plus up to this much more")
     p.add_argument("--seconds", type=float, default=40.0, help="simulated seconds a run")
