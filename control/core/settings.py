@@ -208,7 +208,8 @@ class Settings(BaseSettings):
         True,
         description="an idle replica that is not listening (any idle one without SINGLE_LISTENER), while two "
         "more of its model and half of them are idle, runs a batch of second copies of requests running on "
-        "another host (HEDGE says which): at low load no batch runs that a copy could ride",
+        "another host (HEDGE says which): at low load no batch runs that a copy could ride; while a quarter "
+        "are idle, of paid requests only, gathered into a full batch unless one must start (docs/decisions/0035)",
     )
     replica_ttl_s: float = Field(3.0, gt=0)
     task_events: Literal["watched", "always", "off"] = Field(
