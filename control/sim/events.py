@@ -58,7 +58,10 @@ class SimState:
         self.requeues: dict[int, int] = {}
         self.hedges: dict[int, SimReplica] = {}  # request -> the replica running its copy
         self.died_at: dict[int, float] = {}  # a lost replica (by index): when it stopped
-        self.looking: set[int] = set()  # replicas (by index) with a look for copies to run while idle due
+        self.looking: set[int] = set()
+        # Idle replicas look for copies until the last request can no longer be running.
+        last = max(float(workload.t_ms[-1]) if n else 0.0, max((at for at, _ in resend or []), default=0.0))
+        self.looks_until = last + config.budget_ms  # replicas (by index) with a look for copies to run while idle due
         # At a host loss, what its replicas were running (their own requests) and held buffered.
         self.lost_running: set[int] = set()
         self.lost_buffered: set[int] = set()
@@ -69,7 +72,7 @@ class SimState:
         self.handed_off: list[tuple[float, int]] = []
         counted: tuple[str, ...] = ("batches", "batch_rows", "wasted", "requeued", "resent", "moved", "events")
         counted += ("taken_shut", "rest_handed_back", "hedged", "hedge_wins", "hedge_wasted", "bumped")
-        counted += ("idle_copy_batches", "taken_lost", "rescued")
+        counted += ("idle_copy_batches", "idle_copies", "taken_lost", "rescued")
         self.stats = dict.fromkeys(counted, 0)
         self.batch_sizes: list[int] = []
         rng = np.random.default_rng(12345)

@@ -27,11 +27,11 @@ class FaultSide(GatewaySide):
                     hosts.setdefault(replica.host, []).append(replica)
             dead = max(hosts.values(), key=lambda rs: sum(len(r.held()) for r in rs))
         for replica in dead:
+            if replica in group.blocked and self._wants(replica):  # pulling: its BRPOP out may
+                self._last_sent(replica)  # still take a message (`_lost_pull`)
             replica.alive = False
             replica.tokens = [t + 1 for t in replica.tokens]
             self.died_at[replica.index] = self.now
-            if replica in group.blocked:  # its BRPOP out may still take a message (`_lost_pull`)
-                self._last_sent(replica)
         for replica in dead:  # when their leases lapse, nothing they held is copied any more
             group.lapses_at[replica.host] = self.now + self.config.lease_ms
             self.lost_running.update(p.payload for p in replica.batch if not is_copy(p))
@@ -111,6 +111,7 @@ class FaultSide(GatewaySide):
         group.num_ready += len(dead)
         for replica in dead:
             self._pull(replica)
+            self._next_look(replica, first=True)
 
     def _close(self, group: Group) -> list[int]:
         """The group takes nothing more: what its queues held, which it no longer does."""

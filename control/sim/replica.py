@@ -181,8 +181,6 @@ class ReplicaSide(SimState):
         self.stats["batch_rows"] += len(batch) - len(copies)
         self._timer(replica, END, now + duration)
         self._pull(replica)
-        if config.hedge_idle and config.hedge != "off":
-            self._look_soon(group, replica.host)
 
     def _take_queued(self, replica: SimReplica, queue: deque[int], tier: Tier, most: int) -> int:
         """Pop up to `most` entries from the front of `queue` (the take's RPOP with a count)
@@ -366,43 +364,44 @@ class ReplicaSide(SimState):
         # ends, the seats its buffer leaves filled from the queue, before the consumer pulls.
         self._try_launch(replica)
         self._pull(replica)
-        if self.config.hedge_idle and self.config.hedge != "off" and self._may_copy_idle(replica):
-            self.looking.add(replica.index)
-            self._push(now + hedging.IDLE_LOOK_MS * self._random(), LOOK, replica, 0)
+        self._next_look(replica, first=True)
 
     # -- copies while idle (HEDGE_IDLE, `Loop.copy_while_idle`) --
 
-    def _may_copy_idle(self, replica: SimReplica) -> bool:
-        """Idle, nothing buffered, no look due, and not the replica the next arrival goes
-        to (with one listener at a time, the one that listens)."""
-        group = replica.group
-        if not (replica.alive and replica.ready) or replica.busy or replica.collector.waiting:
-            return False
-        if replica.index in self.looking:
-            return False
-        return not (self.config.concentrate_idle and group.blocked and group.blocked[0] is replica)
-
-    def _look_soon(self, group: Group, host: str) -> None:
-        """A batch started on `host`: an idle replica of another host that may run copies
-        looks within its next look (each looks every `hedging.IDLE_LOOK_MS`)."""
-        for replica in group.replicas:
-            if replica.host != host and self._may_copy_idle(replica):
-                self.looking.add(replica.index)
-                self._push(self.now + hedging.IDLE_LOOK_MS * self._random(), LOOK, replica, 0)
-                return
+    def _next_look(self, replica: SimReplica, first: bool = False) -> None:
+        """HEDGE_IDLE: the replica's next look for copies, a look's interval on
+        (`hedging.look_ms`: live, its lease's renewals), or, `first`, at a random point of
+        one (after its batch ends, or as it starts)."""
+        config = self.config
+        if not config.hedge_idle or config.hedge == "off" or replica.engine is not None:
+            return
+        if replica.index in self.looking or self.now > self.looks_until:
+            return
+        every = hedging.look_ms(config.lease_ms)
+        self.looking.add(replica.index)
+        self._push(self.now + every * (self._random() if first else 1.0), LOOK, replica, 0)
 
     def _look(self, replica: SimReplica) -> None:
-        """An idle replica's look: while `hedging.least_idle` of its model's replicas are
-        idle, a batch of copies of requests whose batch runs on another host, as many as
-        can still answer in time, paid first (`hedging.pick`)."""
+        """An idle replica's look (`Loop.copy_while_idle`), one every `hedging.look_ms`
+        while it is idle with nothing buffered: not while it listens for arrivals (one
+        listener at a time); busy or gathering, its batch's end brings the next look."""
         self.looking.discard(replica.index)
-        if not self._may_copy_idle(replica):
+        if not (replica.alive and replica.ready) or replica.busy or replica.collector.waiting:
             return
+        group = replica.group
+        listens = self.config.concentrate_idle and group.blocked and group.blocked[0] is replica
+        if listens or not self._copy_batch(replica):
+            self._next_look(replica)
+
+    def _copy_batch(self, replica: SimReplica) -> bool:
+        """The look itself: while `hedging.idle_mode` allows, a batch of copies of requests
+        whose batch runs on another host, as many as can still answer in time, paid first
+        (`hedging.pick`), gathered where the mode says so. True: it started one."""
         group, config, now = replica.group, self.config, self.now
         ready = [r for r in group.replicas if r.alive and r.ready]
         mode, _least, gather = hedging.idle_mode(config.hedge, sum(1 for r in ready if not r.busy), len(ready))
         if mode == "off":
-            return
+            return False
         finish = now + group.batch_ms
         lapsed = {host for host, at in group.lapses_at.items() if at <= now}
         found: list[hedging.Candidate] = []
@@ -414,12 +413,11 @@ class ReplicaSide(SimState):
                     found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
         room = group.collector_config.max_batch
         chosen = hedging.pick(mode, room, replica.host, finish, config.margin_ms, found)
-        if not chosen:
-            return
-        if gather and not hedging.copies_due(chosen, room, now, group.batch_ms, config.margin_ms):
-            self.looking.add(replica.index)  # more may come: it looks again
-            self._push(now + hedging.IDLE_LOOK_MS, LOOK, replica, 0)
-            return
+        every = hedging.look_ms(config.lease_ms)
+        if not chosen or (
+            gather and not hedging.copies_due(chosen, room, now, group.batch_ms, config.margin_ms, every)
+        ):
+            return False  # more may come by its next look
         copies = []
         for c in chosen:
             j = int(c.key)
@@ -427,6 +425,7 @@ class ReplicaSide(SimState):
             copies.append(Pending(f"{COPY}{j}", c.tier, self.t[j], c.deadline_ms, j, now))
         self.stats["hedged"] += len(copies)
         self.stats["idle_copy_batches"] += 1
+        self.stats["idle_copies"] += len(copies)
         duration = self._batch_ms(group, copies)
         replica.batch, replica.busy = copies, True
         replica.ends_at = now + duration
@@ -434,3 +433,5 @@ class ReplicaSide(SimState):
         if replica in group.blocked:  # busy: its turn at arrivals passes on
             group.blocked.remove(replica)
         self._timer(replica, END, now + duration)
+        self._shut(replica)  # its gate reopens in its lead, as a primary batch's does
+        return True

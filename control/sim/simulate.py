@@ -37,6 +37,10 @@ from control.sim.result import SimResult
 from control.sim.states import EXPIRED, WAITING
 from control.sim.workload import Workload
 
+# A busy replica that yields its lead reads again this often whether a peer listens
+# (tasks/replica/listener.py, `WAIT_S`).
+LEAD_READ_MS = 40.0
+
 
 class Simulation(FaultSide):
     """A run: arrivals, timers and faults in time order, to the end."""
@@ -54,6 +58,9 @@ class Simulation(FaultSide):
                 gc.enable()
 
     def _run(self) -> SimResult:
+        for group in self.groups:  # HEDGE_IDLE: every replica is idle as the run starts
+            for replica in group.replicas:
+                self._next_look(replica, first=True)
         t, n = self.t, self.num_arrivals
         heap = self.heap
         i = 0
@@ -111,6 +118,8 @@ class Simulation(FaultSide):
             else:
                 if replica.busy and replica.gate.lead_yields:  # its lead: does an idle peer listen?
                     replica.gate.listener_elsewhere = self._peer_idle(replica)
+                    if replica.gate.listener_elsewhere and self.now + LEAD_READ_MS < replica.gate.ends_at_ms:
+                        self._timer(replica, GATE, self.now + LEAD_READ_MS)  # it reads again
                 self._pull(replica)
         elif kind == LOOK:
             self._look(who)

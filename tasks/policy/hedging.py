@@ -96,15 +96,23 @@ def idle_mode(mode: HedgeMode, num_idle: int, num_launched: int) -> tuple[HedgeM
     return "off", 0, False
 
 
-def copies_due(chosen: list[Candidate], room: int, now_ms: float, batch_ms: float, margin_ms: float) -> bool:
+def look_ms(lease_ms: float) -> float:
+    """How often an idle replica looks for copies: at its lease's renewals (a third of a
+    lease), and no more often than `IDLE_LOOK_MS`."""
+    return max(IDLE_LOOK_MS, lease_ms / 3.0)
+
+
+def copies_due(
+    chosen: list[Candidate], room: int, now_ms: float, batch_ms: float, margin_ms: float, look_every_ms: float
+) -> bool:
     """Does an idle replica start its batch of the `chosen` copies now? When they fill it,
-    or when one of them could not wait for the next look (`IDLE_LOOK_MS`, twice over for a
-    late look) and still be answered in time. Otherwise the copies wait for more: a batch
-    costs the same with 1 copy or `room`, and a copy started at its last moment answers a
-    lost request as surely as one started at once."""
+    or when one of them could not wait for the next look (`look_every_ms` apart, twice over
+    for a late look) and still be answered in time. Otherwise the copies wait for more: a
+    batch costs the same with 1 copy or `room`, and a copy started at its last moment
+    answers a lost request as surely as one started at once."""
     if not chosen:
         return False
     if len(chosen) >= room:
         return True
     last_start = min(c.deadline_ms for c in chosen) - margin_ms - batch_ms
-    return last_start < now_ms + 2 * IDLE_LOOK_MS
+    return last_start < now_ms + 2 * look_every_ms

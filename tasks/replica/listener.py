@@ -109,12 +109,18 @@ class Listener:
         replica holds the model's listener token; the consumer pulls in the lead only
         while none does, and is woken when the token is gone."""
         r = self.replica
+        batch_end = r.gate.ends_at_ms  # which batch's lead this read is for
         until_lead_s = (r.gate.pull_at_ms - r.clock.now_ms()) / 1000.0
         if until_lead_s > 0:
             self.changed.wait(min(until_lead_s, 1.0))
             return
-        holder = r.broker.listener_holder(r.model)
-        elsewhere = holder not in ("", r.name)
+        try:
+            elsewhere = r.broker.listener_holder(r.model) not in ("", r.name)
+        except BrokerError:
+            elsewhere = False  # unknown: pull in the lead, as without the rule
+            log.warning("listener token: the broker did not answer a busy replica's read")
+        if r.gate.ends_at_ms != batch_end:
+            return  # a batch started meanwhile: its own lead reads again
         was = r.gate.listener_elsewhere
         r.gate.listener_elsewhere = elsewhere
         if was and not elsewhere:

@@ -321,7 +321,7 @@ class Loop:
         room, margin = r.collector.config.max_batch, r.collector.config.margin_ms
         if gather:  # paid copies at normal load: a full batch, or one that cannot wait
             chosen = hedging.pick(mode, room, r.host(), finish, margin, candidates)
-            if not hedging.copies_due(chosen, room, now, batch_ms, margin):
+            if not hedging.copies_due(chosen, room, now, batch_ms, margin, hedging.look_ms(r.config.lease_ms)):
                 return []
         # Busy before the take: the gate shuts (what a pull already out brings goes back to
         # the queue) and the listener's turn passes on, so no arrival waits behind copies.

@@ -165,7 +165,8 @@ def test_with_a_quarter_of_the_pool_idle_an_idle_replica_gathers_paid_copies_unt
         def copied() -> int:
             return sum(r.stats.idle_copy_batches for r in idle)
 
-        # Its last start is 3,085 ms in; looks find it due from 2,885 ms.
+        # Its last start is 3,085 ms in; looks (every 100 ms, a third of the lease) find it
+        # due from 2,885 ms, two looks before.
         assert not until(lambda: copied() > 0, (now + 2_700 - BrokerClock(state).now_ms()) / 1000)
         assert until(lambda: copied() == 1, 2)
         started_ms = BrokerClock(state).now_ms() - now

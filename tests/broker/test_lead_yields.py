@@ -3,6 +3,7 @@ thread reads the model's listener token in its lead, and its pull gate follows."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -43,12 +44,13 @@ def test_a_busy_replica_reads_in_its_lead_whether_an_idle_replica_listens(state:
     its lead on (every 40 ms). While another replica holds it, the replica does not pull in
     its lead (its gate says so); once the token is gone, it may, and its consumer is woken."""
     messages = TaskMessages(make_celery(Settings(redis_url="redis://127.0.0.1:1")))
-    engine = FixedLatencyEngine(max_batch=4, batch_ms=1_500.0)
-    collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=1_500.0)
+    engine = FixedLatencyEngine(max_batch=4, batch_ms=4_000.0)
+    collector = CollectorConfig(max_batch=4, max_wait_ms=5.0, batch_ms=4_000.0)
     config = ReplicaConfig(
-        "r-busy", MODEL, collector, pull_lead_ms=600.0, lease_ms=2_000.0, single_listener=True, lead_yields=True
+        "r-busy", MODEL, collector, pull_lead_ms=3_000.0, lease_ms=6_000.0, single_listener=True, lead_yields=True
     )
-    replica = Replica(config, engine, state, BrokerClock(state))
+    woken: list[float] = []
+    replica = Replica(config, engine, state, BrokerClock(state), wake=lambda: woken.append(time.monotonic()))
     replica.start()
     try:
         assert until(lambda: replica.gate.listens, 5)  # idle: it holds the token
@@ -58,11 +60,16 @@ def test_a_busy_replica_reads_in_its_lead_whether_an_idle_replica_listens(state:
         state.set(keys.listener_key(MODEL), "r-other", px=20_000)  # an idle replica took it
         lead_at = replica.gate.pull_at_ms
         assert replica.gate.lead_yields and replica.gate.listener_elsewhere  # assumed until read
-        assert until(lambda: replica.clock.now_ms() > lead_at + 100.0, 2)
+        assert until(lambda: replica.clock.now_ms() > lead_at + 200.0, 3)
         assert replica.gate.listener_elsewhere  # read: another holds it
-        assert not replica.gate.wants(replica.clock.now_ms(), 0, 1_500.0)
+        assert not replica.gate.wants(replica.clock.now_ms(), 0, 4_000.0)
+        woken.clear()
         state.delete(keys.listener_key(MODEL))
-        assert until(lambda: not replica.gate.listener_elsewhere, 0.3)
-        assert replica.busy and replica.gate.wants(replica.clock.now_ms(), 0, 1_500.0)
+        assert until(lambda: not replica.gate.listener_elsewhere, 1)
+        assert until(lambda: len(woken) >= 1, 1)  # the consumer is asked to pull again
+        assert replica.busy and replica.gate.wants(replica.clock.now_ms(), 0, 4_000.0)
+        # A read of the token, not the assumption: set again, it is seen again in the lead.
+        state.set(keys.listener_key(MODEL), "r-other", px=20_000)
+        assert until(lambda: replica.gate.listener_elsewhere, 1)
     finally:
         replica.stop()

@@ -494,7 +494,7 @@ def test_what_a_lost_replicas_last_pull_took_goes_back_to_the_queue_and_is_answe
 
 
 def test_idle_copies_take_every_tier_while_half_the_pool_is_idle_and_paid_gathered_while_a_quarter_is() -> None:
-    from tasks.policy.hedging import Candidate, copies_due, idle_mode
+    from tasks.policy.hedging import Candidate, copies_due, idle_mode, look_ms
 
     assert idle_mode("all", 12, 24) == ("all", 12, False)
     assert idle_mode("all", 11, 24) == ("paid", 6, True)
@@ -505,11 +505,13 @@ def test_idle_copies_take_every_tier_while_half_the_pool_is_idle_and_paid_gather
     assert idle_mode("off", 24, 24) == ("off", 0, False)
     copies = [Candidate(k, "paid", deadline, "b") for k, deadline in enumerate((900.0, 1000.0))]
     # Two copies of a batch of 4 wait for more while the first may still start after the
-    # next look (its last start: 900 - 15 - 250 = 635); they start once it may not.
-    assert not copies_due(copies, 4, 500.0, 250.0, 15.0)
-    assert copies_due(copies, 4, 540.0, 250.0, 15.0)
-    assert copies_due(copies, 2, 500.0, 250.0, 15.0)  # a full batch starts at once
-    assert not copies_due([], 4, 540.0, 250.0, 15.0)
+    # next two looks (its last start: 900 - 15 - 250 = 635); they start once it may not.
+    assert look_ms(300.0) == 100.0 and look_ms(90.0) == 50.0  # a lease's renewals, 50 ms at least
+    assert not copies_due(copies, 4, 430.0, 250.0, 15.0, 100.0)
+    assert copies_due(copies, 4, 440.0, 250.0, 15.0, 100.0)
+    assert not copies_due(copies, 4, 530.0, 250.0, 15.0, 50.0)
+    assert copies_due(copies, 2, 430.0, 250.0, 15.0, 100.0)  # a full batch starts at once
+    assert not copies_due([], 4, 540.0, 250.0, 15.0, 100.0)
 
 
 def test_at_normal_load_idle_replicas_gather_paid_copies_that_answer_a_lost_hosts_paid_requests() -> None:
@@ -537,7 +539,10 @@ def test_at_normal_load_idle_replicas_gather_paid_copies_that_answer_a_lost_host
         lost = np.asarray(sorted(run.lost_running | run.lost_buffered))
         assert len(lost) > 100 and paid[lost].sum() > 20
         failed[idle] = int(((state == EXPIRED) | (state == LATE))[paid].sum())
-        assert (run.stats["idle_copy_batches"] > 0) == idle
+        batches, copies = run.stats["idle_copy_batches"], run.stats["idle_copies"]
+        assert (batches > 0) == idle
+        if idle:  # of paid requests only, gathered: batches of copies half full or more
+            assert copies <= paid.sum() and copies >= 32 * batches, (copies, batches)
     assert failed[False] > 20 and failed[True] == 0, failed
 
 
