@@ -548,7 +548,7 @@ def test_at_normal_load_idle_replicas_gather_paid_copies_that_answer_a_lost_host
 
 def test_one_listener_keeps_full_batches_after_a_disturbance_where_busy_replicas_yield_their_lead() -> None:
     """16 replicas of batch 64 at 65% load, one listener at a time: idle replicas gather
-    full batches. Four batches of copies in the first 0.1 s (every replica idle then) moved
+    full batches. A few batches of copies in the first 0.1 s (every replica idle then) moved
     the fleet for good into batches fed by busy replicas' lead pulls, a third smaller, with
     no replica idle; with `lead_yields` (a busy replica pulls in its lead only while no peer
     is idle) the same disturbance leaves the batches as full as without it."""
