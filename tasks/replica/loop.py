@@ -246,24 +246,17 @@ class Loop:
         longest = max(held(pd).job.max_tokens for pd in batch)
         candidates = _candidates(running, {pd.id for pd in batch}, longest)
         room = r.collector.config.max_batch - len(batch)
-        return self._take_copies(room, finish_ms, candidates, least_idle=0)
-
-    def _take_copies(
-        self,
-        room: int,
-        finish_ms: float,
-        candidates: list[hedging.Candidate],
-        least_idle: int,
-        mode: hedging.HedgeMode | None = None,
-    ) -> list[Pending]:
-        r = self.replica
         margin = r.collector.config.margin_ms
-        tiers = mode or r.config.hedge
-        chosen = [c.key for c in hedging.pick(tiers, room, r.host(), finish_ms, margin, candidates)]
+        return self._take_copies(hedging.pick(r.config.hedge, room, r.host(), finish_ms, margin, candidates), 0)
+
+    def _take_copies(self, chosen: list[hedging.Candidate], least_idle: int) -> list[Pending]:
+        """Second copies of the `chosen` requests (`hedging.pick`), as the HEDGE script
+        lets this replica take them."""
+        r = self.replica
         if not chosen:
             return []
         try:
-            taken = r.broker.hedge(r.model, chosen, least_idle)
+            taken = r.broker.hedge(r.model, [c.key for c in chosen], least_idle)
         except BrokerError:
             r.doubt.failed()
             log.warning("could not take second copies of requests running elsewhere")
@@ -315,21 +308,22 @@ class Loop:
             log.warning("could not look for requests to copy while idle")
             return []
         mode, least_idle, gather = hedging.idle_mode(r.config.hedge, work.idle, work.launched)
-        if mode == "off" or not work.running:
+        if mode == "off":
             return []
-        candidates = _candidates(work.running, set(), None)
         room, margin = r.collector.config.max_batch, r.collector.config.margin_ms
-        if gather:  # paid copies at normal load: a full batch, or one that cannot wait
-            chosen = hedging.pick(mode, room, r.host(), finish, margin, candidates)
-            if not hedging.copies_due(chosen, room, now, batch_ms, margin, hedging.look_ms(r.config.lease_ms)):
-                return []
+        chosen = hedging.pick(mode, room, r.host(), finish, margin, _candidates(work.running, set(), None))
+        if not chosen:
+            return []
+        # Paid copies at normal load gather: a full batch, or one that cannot wait.
+        if gather and not hedging.copies_due(chosen, room, now, batch_ms, margin, hedging.look_ms(r.config.lease_ms)):
+            return []
         # Busy before the take: the gate shuts (what a pull already out brings goes back to
         # the queue) and the listener's turn passes on, so no arrival waits behind copies.
         with r.cond:
             if len(r.collector) or r.busy or (r.config.single_listener and r.gate.listens):
                 return []
             r.start_batch(now, batch_ms)
-        copies = self._take_copies(room, finish, candidates, least_idle, mode)
+        copies = self._take_copies(chosen, least_idle)
         with r.cond:
             if not copies:
                 r.busy = False
