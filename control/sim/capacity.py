@@ -336,7 +336,7 @@ def host_loss(inputs: Inputs, models: list[str], counts: list[int], region_rps: 
     for mode in HEDGE_MODES:
         config = sim_config(inputs, counts, models)
         config.host_loss_at_s, config.host_size, config.hedge = inputs.sim_seconds / 2, inputs.host_size, mode
-        config.hedge_idle = inputs.hedge_idle and mode != "off"
+        config.hedge_idle = inputs.hedge_idle  # nothing to copy with hedging off
         config.host_loss_busiest = True
         result = simulate_split(config, workload, used_processes(config, inputs.processes or None))
         outcomes = result.counts()

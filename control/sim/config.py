@@ -54,9 +54,8 @@ class SimConfig:
     hedge: HedgeMode = "off"
     hedge_buffered: bool = True
     # HEDGE_IDLE: an idle replica that does not listen for arrivals, while enough of its
-    # model's replicas stay idle (`hedging.least_idle`), runs a batch of copies of requests
-    # whose batch runs on another host; it looks within `hedging.IDLE_LOOK_MS` of a batch's
-    # start elsewhere, or of its own batch's end.
+    # model's replicas stay idle (`hedging.idle_mode`), runs a batch of copies of requests
+    # whose batch runs on another host; it looks every `hedging.look_ms` while idle.
     hedge_idle: bool = False
     host_loss_at_s: float | None = None  # one host of the first group dies then
     # Which: the first (its replicas first in the BRPOP line), or the one whose replicas

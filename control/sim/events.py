@@ -58,10 +58,10 @@ class SimState:
         self.requeues: dict[int, int] = {}
         self.hedges: dict[int, SimReplica] = {}  # request -> the replica running its copy
         self.died_at: dict[int, float] = {}  # a lost replica (by index): when it stopped
-        self.looking: set[int] = set()
+        self.looking: set[int] = set()  # replicas (by index) with a look for copies due (HEDGE_IDLE)
         # Idle replicas look for copies until the last request can no longer be running.
         last = max(float(workload.t_ms[-1]) if n else 0.0, max((at for at, _ in resend or []), default=0.0))
-        self.looks_until = last + config.budget_ms  # replicas (by index) with a look for copies to run while idle due
+        self.looks_until = last + config.budget_ms
         # At a host loss, what its replicas were running (their own requests) and held buffered.
         self.lost_running: set[int] = set()
         self.lost_buffered: set[int] = set()

@@ -9,7 +9,6 @@ from control.sim.gateway import GatewaySide
 from control.sim.group import Group, SimReplica, is_copy
 from control.sim.states import EXPIRED, NEW, RUNNING, WAITING
 from tasks.policy.collector import Collector
-from tasks.policy.pullgate import PullGate
 
 
 class FaultSide(GatewaySide):
@@ -97,12 +96,7 @@ class FaultSide(GatewaySide):
             replica.alive = True
             replica.collector = Collector(group.collector_config)
             replica.engine = group.new_engine()
-            replica.gate = PullGate(
-                self.config.max_batch,
-                self.config.pull_lead_ms,
-                early=self.config.pull_early,
-                lead_yields=self.config.concentrate_idle and self.config.lead_yields,
-            )
+            replica.gate = group.new_gate()
             replica.last_launch = -1e18
             replica.ready = True
             if replica not in group.blocked:

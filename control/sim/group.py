@@ -96,18 +96,15 @@ class Group:
             batch_ms=self.batch_ms,
             margin_ms=config.margin_ms,
         )
+        # A replica's pull gate: max batch, lead, and PULL_EARLY and LEAD_YIELDS as played.
+        self.gate_config = (
+            config.max_batch,
+            config.pull_lead_ms,
+            config.pull_early,
+            config.concentrate_idle and config.lead_yields,
+        )
         self.replicas = [
-            SimReplica(
-                sim.next_replica(),
-                self,
-                self.collector_config,
-                PullGate(
-                    config.max_batch,
-                    config.pull_lead_ms,
-                    early=config.pull_early,
-                    lead_yields=config.concentrate_idle and config.lead_yields,
-                ),
-            )
+            SimReplica(sim.next_replica(), self, self.collector_config, self.new_gate())
             for _ in range(config.replicas[model])
         ]
         for k, replica in enumerate(self.replicas):
@@ -148,6 +145,11 @@ class Group:
         self.measured_ms = self.batch_ms + jitter / 2 if jitter > 0 else 0.0
         self.phases: admission.Phases | None = None
         self.phases_at = -1e18
+
+    def new_gate(self) -> PullGate:
+        """A replica's pull gate, as this run's settings make it."""
+        max_batch, lead_ms, early, lead_yields = self.gate_config
+        return PullGate(max_batch, lead_ms, early=early, lead_yields=lead_yields)
 
     def new_engine(self) -> SimEngine | None:
         if not self.continuous or self.cost is None:

@@ -17,6 +17,9 @@ from tasks.policy.collector import Pending
 # again at once while its gate lets it.
 BRPOP_TIMEOUT_MS = p.PULL_WAIT_S * 1000.0
 RESCUE_AFTER_MS = 30.0  # a RESCUE round's two looks are this far apart (api/gateway.py)
+# A busy replica that yields its lead reads again this often whether a peer listens
+# (tasks/replica/listener.py, `WAIT_S`).
+LEAD_READ_MS = 40.0
 
 
 class ReplicaSide(SimState):
@@ -84,12 +87,15 @@ class ReplicaSide(SimState):
             replica.gate_at = at
             self._timer(replica, GATE, max(at, self.now))
 
+    def _pending(self, j: int, tier: Tier) -> Pending:
+        """Request `j` as it enters a replica's buffer now; sent on after its region was
+        lost, it is marked stranded (and forwarded) for the gather."""
+        stranded = j in self.stranded_ids
+        return Pending(str(j), tier, self.t[j], self.deadline[j], j, self.now, forwarded=stranded, stranded=stranded)
+
     def _take(self, replica: SimReplica, i: int) -> None:
         collector = replica.collector
-        stranded = i in self.stranded_ids
-        pending = Pending(
-            str(i), TIERS[self.paid[i]], self.t[i], self.deadline[i], i, self.now, forwarded=stranded, stranded=stranded
-        )
+        pending = self._pending(i, TIERS[self.paid[i]])
         collector.add(pending)
         if replica.engine is not None:
             if not replica.busy:  # an idle continuous replica admits at once
@@ -191,10 +197,7 @@ class ReplicaSide(SimState):
             j = queue.popleft()
             popped += 1
             if self.state[j] == WAITING:
-                stranded = j in self.stranded_ids
-                pending = Pending(
-                    str(j), tier, self.t[j], self.deadline[j], j, self.now, forwarded=stranded, stranded=stranded
-                )
+                pending = self._pending(j, tier)
                 replica.collector.add(pending)
                 if replica.group.list_taken:
                     replica.group.held(pending, self.paid[j], replica.host)
@@ -289,22 +292,31 @@ class ReplicaSide(SimState):
         if config.hedge == "off" or room <= 0 or replica.engine is not None:
             return []
         finish = self.now + group.batch_ms
-        lapsed = {host for host, at in group.lapses_at.items() if at <= self.now}  # HEDGE: the lease alive
+        found = self._copy_candidates(replica, finish, (RUNNING, WAITING), 4 * room)
+        return self._copies(replica, hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found))
+
+    def _copy_candidates(
+        self, replica: SimReplica, finish_ms: float, states: tuple[int, ...], most: int | None = None
+    ) -> list[hedging.Candidate]:
+        """What `replica` may copy for a batch that ends at `finish_ms`: requests another
+        host's replicas hold (in one of `states`: running, or buffered too), their lease
+        alive (HEDGE), no copy made yet; paid ones first, each tier by deadline, and no more
+        than `most` found."""
+        group, margin = replica.group, self.config.margin_ms
+        lapsed = {host for host, at in group.lapses_at.items() if at <= self.now}
         found: list[hedging.Candidate] = []
         for paid in (1, 0):
             held = group.held_by[paid]
-            del held[: bisect_left(held, (finish + config.margin_ms, -1, ""))]  # none can be copied again
+            del held[: bisect_left(held, (finish_ms + margin, -1, ""))]  # none can be copied again
             for deadline, j, host in held:
-                if len(found) >= 4 * room:
+                if most is not None and len(found) >= most:
                     break
-                if (
-                    host != replica.host
-                    and host not in lapsed
-                    and j not in self.hedges
-                    and self.state[j] in (RUNNING, WAITING)
-                ):
+                if host != replica.host and host not in lapsed and j not in self.hedges and self.state[j] in states:
                     found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
-        chosen = hedging.pick(config.hedge, room, replica.host, finish, config.margin_ms, found)
+        return found
+
+    def _copies(self, replica: SimReplica, chosen: list[hedging.Candidate]) -> list[Pending]:
+        """The `chosen` requests' second copies, to run on `replica`."""
         copies = []
         for c in chosen:
             j = int(c.key)
@@ -319,6 +331,17 @@ class ReplicaSide(SimState):
         w = self.workload
         idx = [p.payload for p in batch]
         return group.cost.batch_ms(w.prompt_tokens[idx].tolist(), w.output_tokens[idx].tolist())
+
+    def _gate_timer(self, replica: SimReplica) -> None:
+        """Its gate's timer: a busy replica that yields its lead (LEAD_YIELDS) reads
+        whether a peer is idle, and again `LEAD_READ_MS` on while one is; then it asks
+        the gate (`_pull`)."""
+        gate = replica.gate
+        if replica.busy and gate.lead_yields:
+            gate.listener_elsewhere = self._peer_idle(replica)
+            if gate.listener_elsewhere and self.now + LEAD_READ_MS < gate.ends_at_ms:
+                self._timer(replica, GATE, self.now + LEAD_READ_MS)
+        self._pull(replica)
 
     def _peer_idle(self, replica: SimReplica) -> bool:
         return any(not r.busy for r in replica.group.replicas if r is not replica and r.alive)
@@ -403,14 +426,7 @@ class ReplicaSide(SimState):
         if mode == "off":
             return False
         finish = now + group.batch_ms
-        lapsed = {host for host, at in group.lapses_at.items() if at <= now}
-        found: list[hedging.Candidate] = []
-        for paid in (1, 0):
-            held = group.held_by[paid]
-            del held[: bisect_left(held, (finish + config.margin_ms, -1, ""))]  # none can be copied again
-            for deadline, j, host in held:
-                if host != replica.host and host not in lapsed and j not in self.hedges and self.state[j] == RUNNING:
-                    found.append(hedging.Candidate(j, TIERS[paid], deadline, host))
+        found = self._copy_candidates(replica, finish, (RUNNING,))
         room = group.collector_config.max_batch
         chosen = hedging.pick(mode, room, replica.host, finish, config.margin_ms, found)
         every = hedging.look_ms(config.lease_ms)
@@ -418,12 +434,7 @@ class ReplicaSide(SimState):
             gather and not hedging.copies_due(chosen, room, now, group.batch_ms, config.margin_ms, every)
         ):
             return False  # more may come by its next look
-        copies = []
-        for c in chosen:
-            j = int(c.key)
-            self.hedges[j] = replica
-            copies.append(Pending(f"{COPY}{j}", c.tier, self.t[j], c.deadline_ms, j, now))
-        self.stats["hedged"] += len(copies)
+        copies = self._copies(replica, chosen)
         self.stats["idle_copy_batches"] += 1
         self.stats["idle_copies"] += len(copies)
         duration = self._batch_ms(group, copies)

@@ -37,10 +37,6 @@ from control.sim.result import SimResult
 from control.sim.states import EXPIRED, WAITING
 from control.sim.workload import Workload
 
-# A busy replica that yields its lead reads again this often whether a peer listens
-# (tasks/replica/listener.py, `WAIT_S`).
-LEAD_READ_MS = 40.0
-
 
 class Simulation(FaultSide):
     """A run: arrivals, timers and faults in time order, to the end."""
@@ -116,11 +112,7 @@ class Simulation(FaultSide):
             elif kind == LAUNCH:
                 self._try_launch(replica)
             else:
-                if replica.busy and replica.gate.lead_yields:  # its lead: does an idle peer listen?
-                    replica.gate.listener_elsewhere = self._peer_idle(replica)
-                    if replica.gate.listener_elsewhere and self.now + LEAD_READ_MS < replica.gate.ends_at_ms:
-                        self._timer(replica, GATE, self.now + LEAD_READ_MS)  # it reads again
-                self._pull(replica)
+                self._gate_timer(replica)
         elif kind == LOOK:
             self._look(who)
         elif kind == RESCUE:
