@@ -24,10 +24,17 @@ def _settings_help() -> str:
     return "settings (environment, prefix KEYBATCH_, or a .env file; README: Configuration):\n" + "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+SERVING_COMMANDS = ("up", "api", "worker")
+
+
+def _parser(serving_only: bool = False) -> argparse.ArgumentParser:
+    """Every command's parser; only the serving ones for a serving process, which then
+    boots without importing the tools' modules (a restarted replica serves sooner)."""
     top = argparse.ArgumentParser(prog="keybatch", description="Batched code-completion serving.")
     sub = top.add_subparsers(dest="command", required=True)
     _add_serving_commands(sub)
+    if serving_only:
+        return top
     _add_bench_commands(sub)
     _add_tool_commands(sub)
     _add_watching_commands(sub)
@@ -175,7 +182,8 @@ def _add_watching_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args = _parser(serving_only=bool(given) and given[0] in SERVING_COMMANDS).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = Settings()
     if getattr(args, "port", None) is not None:
@@ -256,8 +264,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     def load_engine(other: str) -> Engine:
         return make_engine(settings, other, args.backend, args.policy)
 
-    run_worker(settings, model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
-    return 0
+    return run_worker(settings, model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
 
 
 def _assigned_model(settings: Settings, name: str) -> str | None:

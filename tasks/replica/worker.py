@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from celery import Celery, Task, bootsteps
+from celery.utils.nodenames import default_nodename, host_format
 from celery.worker import control as celery_control
 from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
@@ -325,9 +326,9 @@ def run_worker(
     name: str,
     loglevel: str = "INFO",
     load_engine: Callable[[str], Engine] | None = None,
-) -> None:
-    """Run one replica in the foreground (blocks until shutdown); `load_engine` makes
-    another model's engine when the operator moves the replica."""
+) -> int:
+    """Run one replica in the foreground until shutdown, and return its exit code;
+    `load_engine` makes another model's engine when the operator moves the replica."""
     from tasks.celery.app import make_celery
 
     exit_when_orphaned()
@@ -342,25 +343,21 @@ def run_worker(
 
         chord.configure(app, settings, name)
         pool, concurrency, queues = "threads", chord.POOL_THREADS, f"{chord.chord_queue(name)},{queues}"
-    argv = [
-        "--quiet",  # no banner: `keybatch up` prints each replica's own line when it serves
-        "worker",
-        "--pool",
-        pool,
-        "--concurrency",
-        str(concurrency),
-        "--queues",
-        queues,
-        "--hostname",
-        name,
-        "--without-gossip",
-        "--without-mingle",
-        "--loglevel",
-        loglevel,
-    ]
-    if settings.task_events == "always":  # `watched`: off until a monitor asks (enable_events)
-        argv.append("--task-events")
-    app.worker_main(argv)
+    # What `celery worker` builds, without its command line: that imports every Celery
+    # command and their plugins (Flower's among them), which doubled a replica's boot.
+    worker = app.Worker(
+        hostname=host_format(default_nodename(name)),
+        pool_cls=pool,
+        concurrency=concurrency,
+        queues=queues,
+        without_gossip=True,
+        without_mingle=True,
+        loglevel=loglevel,
+        quiet=True,  # no banner: `keybatch up` prints each replica's own line when it serves
+        task_events=settings.task_events == "always",  # `watched`: off until a monitor asks
+    )
+    worker.start()
+    return int(worker.exitcode or 0)
 
 
 ORPHAN_GRACE_S = 5.0  # a replica whose supervisor died has this long to stop on its own
