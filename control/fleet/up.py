@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+# Imported at start, not at a replica's first death, whose re-queue they would delay.
+from control.broker.leases import release_replica
+from control.core import connect
 from control.core.procs import child_of
 from control.core.settings import Settings
 from control.core.vocab import Policy
@@ -379,9 +382,6 @@ class System:
     def _replica_died(self, name: str, cell: int = 0) -> None:
         """Release the dead replica's lease, so what it held is served by the others."""
         # Whatever this raises is logged: the supervisor keeps supervising.
-        from control.broker.leases import release_replica
-        from control.core import connect
-
         client = connect.client(
             self.cell_urls[cell], socket_timeout=RELEASE_TIMEOUT_S, socket_connect_timeout=RELEASE_TIMEOUT_S
         )
