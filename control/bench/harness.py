@@ -30,7 +30,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
+import redis
 
+from control.broker.registry import read_fleet
+from control.core import connect
 from control.core.procs import free_port
 from control.core.settings import Settings
 from control.core.vocab import FREE, PAID, Backend, Policy, Tier
@@ -154,9 +157,27 @@ class Deployment:
                 self.seen.setdefault(broker.pid, broker)
 
     def replicas(self) -> list[tuple[str, psutil.Process]]:
-        """(replica name, process), sorted by name so a seed picks the same victim."""
+        """(replica name, process), sorted by name so a seed picks the same victim. A
+        standby is one once it took a replica's place and registered under its name."""
         found = [(arg(proc, "--name"), proc) for proc in self.descendants() if role(proc) == "replica"]
+        standbys = [proc for proc in self.descendants() if role(proc) == "standby"]
+        if standbys:
+            named = self.registered_names()
+            found += [(named[proc.pid], proc) for proc in standbys if proc.pid in named]
         return sorted(((name or str(proc.pid), proc) for name, proc in found), key=lambda pair: pair[0])
+
+    def registered_names(self) -> dict[int, str]:
+        """Each registered replica's name by its pid, from every cell's registry."""
+        named: dict[int, str] = {}
+        for url in self.cell_urls() or [u for u in [self.redis_url()] if u]:
+            client = connect.client(url, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                named.update((info.pid, info.name) for info in read_fleet(client))
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+        return named
 
     def replica_pids(self) -> list[int]:
         return [proc.pid for _name, proc in self.replicas()]
@@ -252,7 +273,7 @@ def role(proc: psutil.Process) -> str:
     if "valkey-server" in name or "valkey-server" in cmdline:
         return "broker"
     if "control worker" in cmdline:
-        return "replica"
+        return "standby" if "--standby" in cmdline else "replica"
     if "control api" in cmdline or "keybatch-api" in cmdline:  # the latter: gunicorn's process titles
         return "gateway"
     return ""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 from control.core.settings import Settings
 from control.core.vocab import BACKENDS, POLICIES
@@ -72,6 +74,11 @@ def _add_serving_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     worker.add_argument("--policy", choices=POLICIES, default=None, help="default: the POLICY setting")
     worker.add_argument("--name", default=None, help="replica name (default MODEL-PID@HOST)")
     worker.add_argument("--loglevel", default="INFO")
+    worker.add_argument(
+        "--standby",
+        action="store_true",
+        help="boot, load MODEL's engine, then wait on stdin for the replica to become (`keybatch up` keeps one)",
+    )
 
 
 def _add_bench_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -254,17 +261,55 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     if args.model not in settings.models:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
         return 2
-    name = args.name or f"{args.model}-{os.getpid()}@{settings.host}"
-    model = _assigned_model(settings, name) or args.model
-    if args.backend == "hf" and not (settings.model_path(model) / "config.json").exists():
-        print(f"no model folder at {settings.model_path(model)}: `keybatch model build`", file=sys.stderr)
+    if not _has_folder(settings, args.model, args.backend):
         return 2
-    engine = make_engine(settings, model, args.backend, args.policy)
+    engines = {args.model: make_engine(settings, args.model, args.backend, args.policy)}
+    name = args.name
+    if args.standby:
+        taken = _take_place()
+        if taken is None:
+            return 0  # the supervisor stopped (or died) before it needed this standby
+        settings, name, args.model = Settings(), taken.name, taken.model
+    name = name or f"{args.model}-{os.getpid()}@{settings.host}"
+    model = _assigned_model(settings, name) or args.model
+    if not _has_folder(settings, model, args.backend):
+        return 2
 
     def load_engine(other: str) -> Engine:
-        return make_engine(settings, other, args.backend, args.policy)
+        return engines.pop(other, None) or make_engine(settings, other, args.backend, args.policy)
 
+    engine = load_engine(model)
     return run_worker(settings, model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
+
+
+def _has_folder(settings: Settings, model: str, backend: str) -> bool:
+    if backend == "hf" and not (settings.model_path(model) / "config.json").exists():
+        print(f"no model folder at {settings.model_path(model)}: `keybatch model build`", file=sys.stderr)
+        return False
+    return True
+
+
+@dataclass
+class Place:
+    """The replica a standby becomes: its name, its model, its environment."""
+
+    name: str
+    model: str
+    env: dict[str, str]
+
+
+def _take_place() -> Place | None:
+    """A standby's wait: one line of JSON on stdin (`keybatch up` writes it when a replica
+    dies), or the end of stdin when the supervisor stopped or died."""
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    raw = json.loads(line)
+    place = Place(str(raw["name"]), str(raw["model"]), {str(k): str(v) for k, v in raw["env"].items()})
+    os.environ.clear()
+    os.environ.update(place.env)
+    logging.getLogger(__name__).info("standby (pid %d) takes the place of replica %s", os.getpid(), place.name)
+    return place
 
 
 def _assigned_model(settings: Settings, name: str) -> str | None:

@@ -193,6 +193,13 @@ class Settings(BaseSettings):
 
     # Replica registry.
     heartbeat_s: float = Field(1.0, gt=0)
+    standby_replicas: int = Field(
+        1,
+        ge=0,
+        description="replica processes `keybatch up` keeps booted with their engine loaded, waiting: one takes "
+        "the place of a replica that dies after a healthy life at once, instead of a process that boots "
+        "(docs/decisions/0037)",
+    )
     host: str = Field(
         default_factory=socket.gethostname,
         description="the host a replica runs on: its registry entry and its name say it "

@@ -51,6 +51,10 @@ CHILD_WARNING_FILTERS = (
     "ignore:Monkey-patching ssl after ssl has already been imported:RuntimeWarning",
 )
 RENICE_AFTER_S = 5.0
+# A standby that took a dead replica's place is followed by a new one this much later, so
+# that the new one's boot does not take the CPU the serving processes need while they
+# catch up with what the death left them.
+STANDBY_AFTER_S = 1.0
 REPLICAS_PER_MODEL = 2  # the default: one can die or restart while the other serves
 
 
@@ -168,6 +172,10 @@ class System:
         self.brokers: list[EmbeddedBroker] = []  # embedded, one per cell
         self.workers: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
+        # Booted replica processes, their engine loaded, waiting on stdin for a place.
+        self.standbys: list[tuple[subprocess.Popen[bytes], float]] = []  # (process, started at)
+        self.standby_due_at: float | None = None  # when the next standby is started
+        self.standby_backoff = Backoff()
         self.children: list[Child] = []
         # The operator's URL of each cell (the supervisor's own calls, tests, tools); the
         # children get their role's (`child_url`).
@@ -238,14 +246,22 @@ class System:
             if child.kind != "broker":
                 self._spawn(child)
         self._wait_ready(timeout_s)
+        if self.settings.standby_replicas:
+            self.standby_due_at = time.monotonic()  # after readiness: the replicas boot first
 
     def _replica_cmd(self, child: Child) -> list[str]:
-        model = self.plan.replica_models()[child.index]
+        return [*self._worker_cmd(self.plan.replica_models()[child.index]), "--name", child.name]
+
+    def _worker_cmd(self, model: str) -> list[str]:
         return [
             *[sys.executable, "-m", "control", "worker"],
             *["--model", model, "--backend", self.plan.backend, "--policy", self.plan.policy or self.settings.policy],
-            *["--name", child.name],
         ]
+
+    def _replica_env(self, child: Child) -> dict[str, str]:
+        env = self.env("replica", self.plan.replica_cell(child.index, self.num_cells))
+        env["KEYBATCH_HOST"] = self.plan.replica_host(child.index, self.settings.host)
+        return env
 
     def _spawn(self, child: Child) -> None:
         """Start the child's process and put it in its place (replaces a dead one)."""
@@ -253,9 +269,9 @@ class System:
             self.brokers[child.index].start()
         elif child.kind == "replica":
             restarted = child.index < len(self.workers)
-            env = self.env("replica", self.plan.replica_cell(child.index, self.num_cells))
-            env["KEYBATCH_HOST"] = self.plan.replica_host(child.index, self.settings.host)
-            proc = _spawn(self._replica_cmd(child), env, self.out, RESTART_NICE if restarted else 0)
+            proc = _spawn(
+                self._replica_cmd(child), self._replica_env(child), self.out, RESTART_NICE if restarted else 0
+            )
             child.renice_at = time.monotonic() + RENICE_AFTER_S if restarted else None
             if child.index < len(self.workers):
                 self.workers[child.index] = proc
@@ -297,7 +313,9 @@ class System:
         if self.gateway is not None:
             killed += _terminate([self.gateway], timeout_s)
         t1 = time.monotonic()
-        killed += _terminate(self.workers, timeout_s)
+        standbys = [proc for proc, _ in self.standbys]
+        self.standbys = []
+        killed += _terminate([*standbys, *self.workers], timeout_s)
         t2 = time.monotonic()
         if not self.plan.quiet:
             print(f"keybatch: gateway stopped in {t1 - t0:.1f} s, replicas in {t2 - t1:.1f} s", file=sys.stderr)
@@ -338,6 +356,8 @@ class System:
 
     def _next_wake_s(self, now: float) -> float:
         due = [c.restart_at - now for c in self.children if c.restart_at is not None]
+        if self.standby_due_at is not None:
+            due.append(self.standby_due_at - now)
         return max(0.001, min([POLL_S, *due]))
 
     def heal(self) -> None:
@@ -355,6 +375,63 @@ class System:
                     self._on_death(child, proc, code)
             elif time.monotonic() >= child.restart_at:
                 self._restart(child)
+        self._keep_standbys()
+
+    def _keep_standbys(self) -> None:
+        """Forget a standby that died (another follows after a backoff); start one when due."""
+        now = time.monotonic()
+        for proc, started in list(self.standbys):
+            code = proc.poll()
+            if code is not None:
+                self.standbys.remove((proc, started))
+                delay = self.standby_backoff.after_death(now - started)
+                _log(f"standby (pid {proc.pid}) died ({_exit_reason(code)}); another in {delay:.1f} s")
+                self.standby_due_at = now + delay if self.standby_due_at is None else self.standby_due_at
+        if self.standby_due_at is None or now < self.standby_due_at:
+            return
+        self.standby_due_at = None
+        if len(self.standbys) >= self.settings.standby_replicas:
+            return
+        model = self.plan.replica_models()[0]
+        cmd = [*self._worker_cmd(model), "--standby"]
+        env = self.env("replica")
+        try:
+            proc = _spawn(cmd, env, self.out, RESTART_NICE, stdin=subprocess.PIPE)
+        except OSError as exc:
+            delay = self.standby_backoff.after_death(0.0)
+            self.standby_due_at = now + delay
+            _log(f"standby: start failed ({exc}); next try in {delay:.1f} s")
+            return
+        self.standbys.append((proc, now))
+        if len(self.standbys) < self.settings.standby_replicas:
+            self.standby_due_at = now  # the next at the next wake
+
+    def _take_standby(self, child: Child) -> bool:
+        """Put a waiting standby in a dead replica's place: it becomes the replica (name,
+        model, host, cell) and serves within a fraction of a boot. False: none was there."""
+        while self.standbys:
+            proc, _ = self.standbys.pop(0)
+            place = {
+                "name": child.name,
+                "model": self.plan.replica_models()[child.index],
+                "env": self._replica_env(child),
+            }
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(place).encode() + b"\n")
+                proc.stdin.close()
+            except (OSError, ValueError):  # it died since the last look
+                proc.kill()
+                proc.wait()
+                continue
+            _renice(proc.pid, 0)
+            self.workers[child.index] = proc
+            now = time.monotonic()
+            child.started_at, child.restart_at, child.renice_at = now, None, None
+            self.standby_due_at = now + STANDBY_AFTER_S
+            _log(f"{child.label}: standby (pid {proc.pid}) took its place")
+            return True
+        return False
 
     def _on_death(self, child: Child, proc: subprocess.Popen[bytes] | None, code: int) -> None:
         now = time.monotonic()
@@ -365,6 +442,8 @@ class System:
             _end_group(pid)
         if child.kind == "replica":
             self._replica_died(child.name, self.plan.replica_cell(child.index, self.num_cells))
+            if delay == 0.0 and self._take_standby(child):
+                return
         child.restart_at = time.monotonic() + delay
         _log(f"{child.label}: restarting in {delay:.1f} s")
 
@@ -417,7 +496,7 @@ def _end_group(pgid: int) -> None:
 
 
 def _spawn(
-    cmd: list[str], env: dict[str, str], out: IO[str] | int | None, niceness: int = 0
+    cmd: list[str], env: dict[str, str], out: IO[str] | int | None, niceness: int = 0, stdin: int | None = None
 ) -> subprocess.Popen[bytes]:
     """A child in its own session (Ctrl-C reaches only the supervisor, which stops the
     children in order) that gets SIGTERM if the supervisor dies without stopping it."""
@@ -428,7 +507,7 @@ def _spawn(
         if niceness:
             os.nice(niceness)
 
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=start)
+    return subprocess.Popen(cmd, env=env, stdin=stdin, stdout=out, stderr=out, start_new_session=True, preexec_fn=start)
 
 
 def _renice(pid: int, niceness: int) -> None:

@@ -22,6 +22,7 @@ import redis
 import requests
 
 from control.bench.harness import serves_port
+from control.broker import keys
 from control.core.procs import free_port
 from control.core.settings import Settings
 from control.fleet.credentials import credentials_path, read_operator_cells, read_operator_url
@@ -57,6 +58,17 @@ class Up:
             if any(arg.startswith(name_prefix) for arg in cmdline(child)):
                 return child
         return None
+
+    def standby(self) -> psutil.Process | None:
+        """A standby waiting for a replica's place (`STANDBY_REPLICAS`), if one is there."""
+        for child in self.children():
+            if "--standby" in cmdline(child) and child.pid not in self.registered_pids():
+                return child
+        return None
+
+    def registered_pids(self) -> set[int]:
+        client = self.redis()
+        return {int(client.hget(keys.replica_key(n.decode()), "pid") or 0) for n in client.smembers(keys.REPLICAS_KEY)}
 
     def broker(self) -> psutil.Process:
         return next(c for c in self.children() if "valkey" in c.name())

@@ -18,12 +18,13 @@ import psutil
 import pytest
 import redis
 
+from control.bench.harness import Deployment
 from control.broker import keys
 from control.core.settings import Settings
 from control.fleet.up import HEALTHY_AFTER_S, RESTART_MAX_S, Backoff, Plan, System
 from control.fleet.valkey import EmbeddedBroker
 from tests.support.deploy import MODEL
-from tests.support.up import cmdline, keybatch_up
+from tests.support.up import Up, cmdline, keybatch_up
 from tests.support.waiting import alive
 
 T = TypeVar("T")
@@ -62,6 +63,46 @@ def test_a_killed_replica_is_restarted_under_its_name_while_the_other_serves() -
         assert f"keybatch: replica {name} restarted (pid {reborn.pid})" in up.log()
 
 
+def test_a_replica_that_dies_after_a_healthy_life_is_replaced_by_the_standby() -> None:
+    """STANDBY_REPLICAS (one by default): a booted process waits with its engine loaded;
+    a replica that served its healthy life and dies is replaced by it under the same name,
+    with no new boot, and another standby follows; chaos's harness names it as a replica."""
+    with keybatch_up("--workers", "2", "--models", MODEL) as up:
+        ready_at = time.monotonic()  # the replicas started before this
+        standby = poll(up.standby, 30, "a standby once the deployment is ready")
+        name = f"{MODEL}-1@{socket.gethostname()}"
+        victim = up.replica(name)
+        assert victim is not None
+        poll(lambda: time.monotonic() - ready_at >= HEALTHY_AFTER_S, 2 * HEALTHY_AFTER_S, "a healthy life")
+        assert up.posts(2) == [200, 200]
+        victim.send_signal(signal.SIGKILL)
+        client = up.redis()
+        poll(
+            lambda: client.hget(keys.replica_key(name), "pid") == str(standby.pid).encode(),
+            10,
+            "the standby registered under the dead replica's name",
+        )
+        log = up.log()
+        assert f"keybatch: replica {name}: standby (pid {standby.pid}) took its place" in log
+        assert f"replica {name}: restarting" not in log
+        assert up.posts(8) == [200] * 8
+        follower = poll(lambda: (s := up.standby()) and s.pid != standby.pid and s, 30, "another standby")
+        assert follower.nice() > 0  # it boots at a low priority; the one that took the place does not
+        assert psutil.Process(standby.pid).nice() == 0
+        assert up.replica(name) is None  # its command line names no replica: the registry does
+        assert dict((n, p.pid) for n, p in _harness_replicas(up)) == {
+            name: standby.pid,
+            f"{MODEL}-2@{socket.gethostname()}": up.replica(f"{MODEL}-2@").pid,  # type: ignore[union-attr]
+        }
+
+
+def _harness_replicas(up: Up) -> list[tuple[str, psutil.Process]]:
+    """What `keybatch chaos` picks its victims from, for this `up`."""
+    deployment = Deployment("test", 2, {})
+    deployment.proc, deployment.port = up.proc, up.port
+    return deployment.replicas()
+
+
 def test_a_killed_broker_is_restarted_on_its_port_and_requests_answer_again() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL) as up:
         assert up.posts(2) == [200, 200]
@@ -89,10 +130,11 @@ def test_a_killed_gateway_is_restarted_and_its_orphaned_workers_go() -> None:
 
 def test_sigkill_of_keybatch_up_leaves_nothing_running() -> None:
     with keybatch_up("--workers", "2", "--models", MODEL) as up:
+        poll(up.standby, 30, "a standby")
         family = psutil.Process(up.proc.pid).children(recursive=True)
         names = " ".join(" ".join(cmdline(c)) for c in family)
-        # Replicas, the gateway master and its two workers, Valkey: all must go.
-        assert sum("control worker" in " ".join(cmdline(c)) for c in family) == 2
+        # Replicas, the standby, the gateway master and its two workers, Valkey: all must go.
+        assert sum("control worker" in " ".join(cmdline(c)) for c in family) == 3
         assert sum("control api" in " ".join(cmdline(c)) for c in family) == 3, names
         assert any("valkey" in c.name() for c in family)
         up.proc.kill()
