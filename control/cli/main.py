@@ -256,7 +256,7 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from tasks.engine.contract import Engine
     from tasks.replica.backends import make_engine
-    from tasks.replica.worker import run_worker
+    from tasks.replica.worker import import_worker_modules, run_worker
 
     if args.model not in settings.models:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
@@ -266,6 +266,10 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     engines = {args.model: make_engine(settings, args.model, args.backend, args.policy)}
     name = args.name
     if args.standby:
+        from control.core.memory import freeze_while_waiting
+
+        import_worker_modules()
+        freeze_while_waiting()
         taken = _take_place()
         if taken is None:
             return 0  # the supervisor stopped (or died) before it needed this standby

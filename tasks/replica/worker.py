@@ -10,6 +10,7 @@ thread asks of the consumer goes through the consumer's thread-safe call_soon.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -358,6 +359,45 @@ def run_worker(
     )
     worker.start()
     return int(worker.exitcode or 0)
+
+
+# What Celery imports only when a worker is built and started (its bootsteps, the Redis
+# transport, the pool): a standby imports them while it waits, not after its takeover.
+WORKER_MODULES = (
+    "celery.apps.worker",
+    "celery.app.amqp",
+    "celery.app.control",
+    "celery.app.events",
+    "celery.app.log",
+    "celery.app.routes",
+    "celery.loaders.app",
+    "celery.backends.base",
+    "celery.fixups.django",
+    "celery.concurrency.solo",
+    "celery.events.dispatcher",
+    "celery.events.receiver",
+    "celery.worker.autoscale",
+    "celery.worker.components",
+    "celery.worker.consumer",
+    "celery.worker.heartbeat",
+    "celery.worker.loops",
+    "celery.worker.pidbox",
+    "celery.worker.strategy",
+    "kombu.mixins",
+    "kombu.pidbox",
+    "kombu.transport.redis",
+    "tasks.celery.app",
+)
+
+
+def import_worker_modules() -> None:
+    """Import what building and starting a worker would (a module a Celery release no
+    longer has is skipped: the worker imports what it needs when it starts anyway)."""
+    for name in WORKER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            log.debug("no module %s to import ahead", name)
 
 
 ORPHAN_GRACE_S = 5.0  # a replica whose supervisor died has this long to stop on its own
