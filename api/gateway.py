@@ -821,6 +821,11 @@ class Gateway:
                 break
             del self._early[oldest]
 
+    def short_of_replicas(self, model: str) -> bool:
+        """Whether a cell that answers has fewer of the model's replicas ready than it had
+        lately (a replica, a host or the broker lost and not all back yet)."""
+        return any(cell.fleet.short_of(model) for cell in self.cells if not cell.health.is_down)
+
     def readiness(self) -> dict[str, int]:
         """Ready replicas per configured model, in the cells whose broker answers."""
         self.start()

@@ -8,6 +8,10 @@ not a 503 goes back to the client as the peer gave it. A forwarded request
 carries `X-Keybatch-Forwarded: <region>` and is never forwarded again, so two
 regions that list each other cannot bounce a request between them. docs/regions.md.
 
+A region short of the replicas it had within the last 30 s (one lost, a host lost, its
+broker restarted and not all of them back) sends a request it refuses for want of room
+(429 `overloaded`) to a peer too.
+
 A request the region had admitted, and then lost its broker or replicas under, is
 forwarded with `X-Keybatch-Stranded: 1`: everything that waited there is forwarded at
 that moment, a burst. A peer's replica holding a stranded request starts its batch when
@@ -64,7 +68,9 @@ _lock = threading.Lock()
 def forward(gw: Gateway, job: p.Job, refusal: ApiError, stranded: bool = False) -> Response | None:
     """A peer region's answer to the request this region refused, or None to keep the refusal.
     `stranded`: the region refused it after admitting it (it lost its broker or replicas)."""
-    if not is_forwardable(gw.settings, refusal):
+    if not is_forwardable(gw.settings, refusal) and not (
+        refusal.code == "overloaded" and is_forwardable_overflow(gw, job.model)
+    ):
         return None
     return _peers(gw).forward(job, gw, stranded)
 
@@ -86,6 +92,14 @@ def is_forwardable(settings: Settings, refusal: ApiError) -> bool:
         and refusal.code in FORWARDABLE
         and FORWARDED_HEADER not in request.headers
     )
+
+
+def is_forwardable_overflow(gw: Gateway, model: str) -> bool:
+    """A region short of the replicas it had lately sends what it has no room for to a
+    peer, which has room by design (regions are sized so that two carry the peak);
+    a region at its full count keeps its refusal, so an overload is not doubled across
+    regions."""
+    return bool(gw.settings.peers) and FORWARDED_HEADER not in request.headers and gw.short_of_replicas(model)
 
 
 def _peers(gw: Gateway) -> Peers:

@@ -101,6 +101,24 @@ def capacity_of(
     return replace(capacity, phases=phases_of(last, read_ms, capacity.slot_ms, PHASE_HORIZON_MS))
 
 
+# A model with fewer ready replicas than it had within this long is short of them: its
+# region sends what it must refuse for want of room to a peer region instead.
+SHORT_WINDOW_S = 30.0
+
+
+def track_peaks(
+    peaks: dict[str, tuple[int, float]], counts: dict[str, int], now_s: float, window_s: float = SHORT_WINDOW_S
+) -> dict[str, tuple[int, float]]:
+    """Each model's highest ready count and when it was last seen at it: a count as high
+    replaces it, and so does any count once the peak is `window_s` old."""
+    out = {}
+    for model in peaks.keys() | counts.keys():
+        count = counts.get(model, 0)
+        peak, seen_s = peaks.get(model, (0, now_s))
+        out[model] = (count, now_s) if count >= peak or now_s - seen_s > window_s else (peak, seen_s)
+    return out
+
+
 class FleetView:
     """A copy of the registry, refreshed in the background every `refresh_s`."""
 
@@ -119,6 +137,7 @@ class FleetView:
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
         self.num_hedge_wasted = 0  # second copies whose request was answered first, whole deployment
         self.is_reachable = False
+        self.peaks: dict[str, tuple[int, float]] = {}  # model -> (most ready replicas lately, when)
         self.read_at = 0.0  # time.monotonic() of the last successful read
         self.as_of_ms = 0.0  # the broker's time of the registry state in `replicas`
         self._started = False
@@ -156,8 +175,21 @@ class FleetView:
             self.num_hedge_wasted = int(hedge_wasted or 0)
             self.is_reachable = True
             self.read_at = time.monotonic()
+            self.peaks = track_peaks(self.peaks, self.ready_counts(), self.read_at)
         except redis.RedisError:
             self.is_reachable = False
+
+    def ready_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for rep in self.replicas:
+            if rep.is_ready:
+                counts[rep.model] = counts.get(rep.model, 0) + 1
+        return counts
+
+    def short_of(self, model: str) -> bool:
+        """Fewer of the model's replicas ready than there were within `SHORT_WINDOW_S`."""
+        peak, _ = self.peaks.get(model, (0, 0.0))
+        return self.ready_counts().get(model, 0) < peak
 
     def refresh_launches(self) -> None:
         """Read each model's launch list (`keys.launch_key`) and the broker's time."""
