@@ -822,9 +822,13 @@ class Gateway:
             del self._early[oldest]
 
     def short_of_replicas(self, model: str) -> bool:
-        """Whether a cell that answers has fewer of the model's replicas ready than it had
-        lately (a replica, a host or the broker lost and not all back yet)."""
-        return any(cell.fleet.short_of(model) for cell in self.cells if not cell.health.is_down)
+        """Whether a cell has fewer of the model's replicas ready than it had lately (a
+        replica, a host or the broker lost and not all back yet); a cell that is down and
+        had some is short of all of them."""
+        return any(
+            cell.fleet.peaks.get(model, (0, 0.0))[0] > 0 if cell.health.is_down else cell.fleet.short_of(model)
+            for cell in self.cells
+        )
 
     def readiness(self) -> dict[str, int]:
         """Ready replicas per configured model, in the cells whose broker answers."""

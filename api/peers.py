@@ -69,7 +69,7 @@ def forward(gw: Gateway, job: p.Job, refusal: ApiError, stranded: bool = False) 
     """A peer region's answer to the request this region refused, or None to keep the refusal.
     `stranded`: the region refused it after admitting it (it lost its broker or replicas)."""
     if not is_forwardable(gw.settings, refusal) and not (
-        refusal.code == "overloaded" and is_forwardable_overflow(gw, job.model)
+        refusal.code == "overloaded" and not stranded and is_forwardable_overflow(gw, job.model)
     ):
         return None
     return _peers(gw).forward(job, gw, stranded)

@@ -263,9 +263,10 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     if not _has_folder(settings, args.model, args.backend):
         return 2
-    engines = {args.model: make_engine(settings, args.model, args.backend, args.policy)}
+    engines = {}  # a standby's engine, loaded while it waits
     name = args.name
     if args.standby:
+        engines[args.model] = make_engine(settings, args.model, args.backend, args.policy)
         from control.core.memory import freeze_while_waiting
 
         import_worker_modules()
@@ -283,6 +284,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         return engines.pop(other, None) or make_engine(settings, other, args.backend, args.policy)
 
     engine = load_engine(model)
+    engines.clear()  # a standby's engine of another model is not kept for a later move
     return run_worker(settings, model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
 
 

@@ -381,12 +381,9 @@ class System:
         """Forget a standby that died (another follows after a backoff); start one when due."""
         now = time.monotonic()
         for proc, started in list(self.standbys):
-            code = proc.poll()
-            if code is not None:
+            if proc.poll() is not None:
                 self.standbys.remove((proc, started))
-                delay = self.standby_backoff.after_death(now - started)
-                _log(f"standby (pid {proc.pid}) died ({_exit_reason(code)}); another in {delay:.1f} s")
-                self.standby_due_at = now + delay if self.standby_due_at is None else self.standby_due_at
+                self._standby_died(proc, started)
         if self.standby_due_at is None or now < self.standby_due_at:
             return
         self.standby_due_at = None
@@ -406,11 +403,23 @@ class System:
         if len(self.standbys) < self.settings.standby_replicas:
             self.standby_due_at = now  # the next at the next wake
 
+    def _standby_died(self, proc: subprocess.Popen[bytes], started: float) -> None:
+        """Another standby follows after a backoff (unless one is due sooner)."""
+        code = proc.wait()
+        now = time.monotonic()
+        delay = self.standby_backoff.after_death(now - started)
+        _log(f"standby (pid {proc.pid}) died ({_exit_reason(code)}); another in {delay:.1f} s")
+        if self.standby_due_at is None or self.standby_due_at > now + delay:
+            self.standby_due_at = now + delay
+
     def _take_standby(self, child: Child) -> bool:
         """Put a waiting standby in a dead replica's place: it becomes the replica (name,
         model, host, cell) and serves within a fraction of a boot. False: none was there."""
         while self.standbys:
-            proc, _ = self.standbys.pop(0)
+            proc, started = self.standbys.pop(0)
+            if proc.poll() is not None:
+                self._standby_died(proc, started)
+                continue
             place = {
                 "name": child.name,
                 "model": self.plan.replica_models()[child.index],
@@ -422,7 +431,7 @@ class System:
                 proc.stdin.close()
             except (OSError, ValueError):  # it died since the last look
                 proc.kill()
-                proc.wait()
+                self._standby_died(proc, started)
                 continue
             _renice(proc.pid, 0)
             self.workers[child.index] = proc

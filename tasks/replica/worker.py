@@ -358,7 +358,7 @@ def run_worker(
         task_events=settings.task_events == "always",  # `watched`: off until a monitor asks
     )
     worker.start()
-    return int(worker.exitcode or 0)
+    return worker.exitcode if isinstance(worker.exitcode, int) else 1 if worker.exitcode else 0
 
 
 # What Celery imports only when a worker is built and started (its bootsteps, the Redis

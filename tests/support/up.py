@@ -93,10 +93,12 @@ class Up:
 
 
 @contextmanager
-def keybatch_up(*args: str) -> Iterator[Up]:
-    """`python -m control up ARGS` on a free port, until its ready line; stopped after."""
+def keybatch_up(*args: str, **settings: str) -> Iterator[Up]:
+    """`python -m control up ARGS` on a free port, with these KEYBATCH_ settings, until
+    its ready line; stopped after."""
     port = free_port()
     env = {**os.environ, "KEYBATCH_API_KEYS": json.dumps({PAID_KEY: "paid", FREE_KEY: "free"})}
+    env.update({f"KEYBATCH_{k.upper()}": v for k, v in settings.items()})
     env.pop("KEYBATCH_REDIS_URL", None)
     with tempfile.NamedTemporaryFile("w+", prefix="keybatch-up-", suffix=".log") as err:
         # stderr to a file, not a pipe: nobody reads a pipe while the test runs,

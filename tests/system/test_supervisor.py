@@ -41,7 +41,8 @@ def poll(what: Callable[[], T | None], timeout_s: float, why: str) -> T:
 
 
 def test_a_killed_replica_is_restarted_under_its_name_while_the_other_serves() -> None:
-    with keybatch_up("--workers", "2", "--models", MODEL) as up:
+    # No standby: one would take the place of a replica that lived 5 s (a slow start).
+    with keybatch_up("--workers", "2", "--models", MODEL, standby_replicas="0") as up:
         assert up.posts(2) == [200, 200]  # one per replica: readiness is not warmth
         name = f"{MODEL}-1@{socket.gethostname()}"
         victim = up.replica(name)
