@@ -68,9 +68,7 @@ _lock = threading.Lock()
 def forward(gw: Gateway, job: p.Job, refusal: ApiError, stranded: bool = False) -> Response | None:
     """A peer region's answer to the request this region refused, or None to keep the refusal.
     `stranded`: the region refused it after admitting it (it lost its broker or replicas)."""
-    if not is_forwardable(gw.settings, refusal) and not (
-        refusal.code == "overloaded" and not stranded and is_forwardable_overflow(gw, job.model)
-    ):
+    if not is_forwardable(gw, refusal, job.model, stranded):
         return None
     return _peers(gw).forward(job, gw, stranded)
 
@@ -85,21 +83,17 @@ def is_stranded(environ: dict[str, object]) -> bool:
     return is_forwarded(environ) and environ.get("HTTP_X_KEYBATCH_STRANDED") == "1"
 
 
-def is_forwardable(settings: Settings, refusal: ApiError) -> bool:
-    return (
-        bool(settings.peers)
-        and refusal.status == 503
-        and refusal.code in FORWARDABLE
-        and FORWARDED_HEADER not in request.headers
-    )
-
-
-def is_forwardable_overflow(gw: Gateway, model: str) -> bool:
-    """A region short of the replicas it had lately sends what it has no room for to a
-    peer, which has room by design (regions are sized so that two carry the peak);
-    a region at its full count keeps its refusal, so an overload is not doubled across
-    regions."""
-    return bool(gw.settings.peers) and FORWARDED_HEADER not in request.headers and gw.short_of_replicas(model)
+def is_forwardable(gw: Gateway, refusal: ApiError, model: str, stranded: bool) -> bool:
+    """What the region cannot serve (503), and, while it is short of the replicas it had
+    lately, what it refused at admission for want of room (429 `overloaded`): its peers
+    have that room by design (regions are sized so that two carry the peak). A region at
+    its full count keeps its 429s, so an overload is not doubled across regions. Never a
+    request a peer forwarded here."""
+    if not gw.settings.peers or FORWARDED_HEADER in request.headers:
+        return False
+    if refusal.status == 503:
+        return refusal.code in FORWARDABLE
+    return refusal.code == "overloaded" and not stranded and gw.short_of_replicas(model)
 
 
 def _peers(gw: Gateway) -> Peers:

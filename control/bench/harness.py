@@ -159,8 +159,9 @@ class Deployment:
     def replicas(self) -> list[tuple[str, psutil.Process]]:
         """(replica name, process), sorted by name so a seed picks the same victim. A
         standby is one once it took a replica's place and registered under its name."""
-        found = [(arg(proc, "--name"), proc) for proc in self.descendants() if role(proc) == "replica"]
-        standbys = [proc for proc in self.descendants() if role(proc) == "standby"]
+        procs = [(role(proc), proc) for proc in self.descendants()]
+        found = [(arg(proc, "--name"), proc) for kind, proc in procs if kind == "replica"]
+        standbys = [proc for kind, proc in procs if kind == "standby"]
         if standbys:
             named = self.registered_names()
             found += [(named[proc.pid], proc) for proc in standbys if proc.pid in named]

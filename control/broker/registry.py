@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import cast
 
@@ -137,6 +138,7 @@ class FleetView:
         self.num_wasted = 0  # results that found their request answered or gone, whole deployment
         self.num_hedge_wasted = 0  # second copies whose request was answered first, whole deployment
         self.is_reachable = False
+        self.ready: dict[str, int] = {}  # model -> its replicas ready, as of the last read
         self.peaks: dict[str, tuple[int, float]] = {}  # model -> (most ready replicas lately, when)
         self.read_at = 0.0  # time.monotonic() of the last successful read
         self.as_of_ms = 0.0  # the broker's time of the registry state in `replicas`
@@ -175,21 +177,15 @@ class FleetView:
             self.num_hedge_wasted = int(hedge_wasted or 0)
             self.is_reachable = True
             self.read_at = time.monotonic()
-            self.peaks = track_peaks(self.peaks, self.ready_counts(), self.read_at)
+            self.ready = Counter(rep.model for rep in self.replicas if rep.is_ready)
+            self.peaks = track_peaks(self.peaks, self.ready, self.read_at)
         except redis.RedisError:
             self.is_reachable = False
-
-    def ready_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for rep in self.replicas:
-            if rep.is_ready:
-                counts[rep.model] = counts.get(rep.model, 0) + 1
-        return counts
 
     def short_of(self, model: str) -> bool:
         """Fewer of the model's replicas ready than there were within `SHORT_WINDOW_S`."""
         peak, _ = self.peaks.get(model, (0, 0.0))
-        return self.ready_counts().get(model, 0) < peak
+        return self.ready.get(model, 0) < peak
 
     def refresh_launches(self) -> None:
         """Read each model's launch list (`keys.launch_key`) and the broker's time."""

@@ -254,6 +254,7 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
+    from control.core.memory import freeze_while_waiting
     from tasks.engine.contract import Engine
     from tasks.replica.backends import make_engine
     from tasks.replica.worker import import_worker_modules, run_worker
@@ -261,14 +262,12 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     if args.model not in settings.models:
         print(f"unknown model {args.model!r}; configured: {', '.join(settings.models)}", file=sys.stderr)
         return 2
-    if not _has_folder(settings, args.model, args.backend):
-        return 2
-    engines = {}  # a standby's engine, loaded while it waits
     name = args.name
+    preloaded: tuple[str, Engine] | None = None  # a standby's engine, loaded while it waits
     if args.standby:
-        engines[args.model] = make_engine(settings, args.model, args.backend, args.policy)
-        from control.core.memory import freeze_while_waiting
-
+        if not _has_folder(settings, args.model, args.backend):
+            return 2
+        preloaded = (args.model, make_engine(settings, args.model, args.backend, args.policy))
         import_worker_modules()
         freeze_while_waiting()
         taken = _take_place()
@@ -281,10 +280,10 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         return 2
 
     def load_engine(other: str) -> Engine:
-        return engines.pop(other, None) or make_engine(settings, other, args.backend, args.policy)
+        return make_engine(settings, other, args.backend, args.policy)
 
-    engine = load_engine(model)
-    engines.clear()  # a standby's engine of another model is not kept for a later move
+    engine = preloaded[1] if preloaded is not None and preloaded[0] == model else load_engine(model)
+    del preloaded  # another model's engine is not kept for the worker's life
     return run_worker(settings, model, engine, name, loglevel=args.loglevel, load_engine=load_engine)
 
 
