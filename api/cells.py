@@ -91,3 +91,8 @@ class Cell:
         # the cell to admit, where admission counts the replicas' phases below capacity.
         self.paid_rate: dict[str, admission.RateMeter] = {}
         self.demand: dict[str, admission.RateMeter] = {}
+        # ADMIT_OPEN: each model's gate, worked out from every gateway's requests asked of
+        # this cell per second, read every `OPEN_REFRESH_MS` with the sweep; when last read,
+        # and last tried (time.monotonic()).
+        self.open_gates: dict[str, admission.OpenGate] = {}
+        self.asked_at = self.asked_tried = 0.0

@@ -294,6 +294,9 @@ class Gateway:
             cell.paid_rate[job.model].add(self.clock.now_ms())
         if cell.fleet.phased:  # the demand, admitted or not: ADMIT_PHASED counts phases below capacity
             cell.demand.setdefault(job.model, admission.RateMeter()).add(self.clock.now_ms())
+        if self.settings.admit_open:  # the demand, admitted or not: ADMIT_OPEN admits deeper below capacity
+            with cell.arrivals_lock:
+                cell.arrivals[traffic.asked_field(job.model)] += 1
         if verdict == Verdict.ADMIT and waiter is not None:
             self.metrics.inflight.inc()
             return waiter
@@ -320,7 +323,36 @@ class Gateway:
         demand = cell.demand.get(job.model)
         demand_rps = demand.rate(now_ms) * self.settings.api_processes if demand is not None else None
         bump = self._bumps(capacity)
-        return admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps, bump)
+        deepest = admission.max_position(
+            job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps, bump
+        )
+        if self.settings.admit_open and self._admits_deep(cell, job):
+            deepest = max(deepest, admission.open_position(job.tier, budget_ms, capacity, self.limits, paid_rate))
+        return deepest
+
+    def _admits_deep(self, cell: Cell, job: p.Job) -> bool:
+        """ADMIT_OPEN's gate, on the cell's demand as every gateway counted it (a process
+        sees only its share of the connections, and not an even one); shut where the
+        demand was not read for a second (the broker did not answer)."""
+        gate = cell.open_gates.get(job.model)
+        now = time.monotonic()
+        return gate is not None and now - cell.asked_at <= 1.0 and gate.admits_deep(job.tier, now * 1000)
+
+    def _read_asked(self, cell: Cell) -> None:
+        """Every gateway's requests asked of the cell per second, and each model's gate."""
+        cell.asked_tried = time.monotonic()  # a failed read is not tried again at once
+        models = sorted(cell.fleet.ready)
+        if not models:
+            return
+        now_ms = self.clock.now_ms()
+        counts = traffic.read_asked(cell.prober, models, now_ms, admission.OPEN_WINDOW_S)
+        # What the gateways counted in the last `OPEN_LAG_MS` may not be added yet.
+        into_s = max(0.0, now_ms % 1000 - admission.OPEN_LAG_MS) / 1000
+        read_ms = time.monotonic() * 1000
+        for model, per_second in counts.items():
+            rate = self._capacity(cell, model).requests_per_s
+            cell.open_gates.setdefault(model, admission.OpenGate()).update(per_second, into_s, rate, read_ms)
+        cell.asked_at = read_ms / 1000
 
     def _bumps(self, capacity: Capacity) -> bool:
         """ADMIT_BUMP applies: static replicas serve the model (a continuous engine's seats
@@ -610,6 +642,8 @@ class Gateway:
                 cell.epoch = epoch or cell.epoch
                 self._resend(cell)
                 self._flush_arrivals(cell)
+                if self.settings.admit_open and time.monotonic() - cell.asked_tried >= admission.OPEN_REFRESH_MS / 1000:
+                    self._read_asked(cell)
                 self._release_orphans(cell)
                 is_clock = cell.index == 0 and isinstance(self.clock, BrokerClock)
                 if is_clock and time.monotonic() - last_sync > 1.0:

@@ -12,6 +12,8 @@ and the 429s are the survivors' load. `--bump` plays `ADMIT_BUMP` in every arm
 (`SimConfig.admit_bump`): free requests admitted with no room kept for paid ones, which
 bump them where they must. `--single-listener` sends every arm's arrivals to the idle
 replica already gathering a batch (SINGLE_LISTENER, `SimConfig.concentrate_idle`).
+Every arm admits deeper below capacity (ADMIT_OPEN, `SimConfig.admit_open`, on by default
+as live) unless `--no-open`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Run(NamedTuple):
     detect_ms: float
     bump: bool = False
     single_listener: bool = False
+    admit_open: bool = True
 
 
 def _one(run: Run) -> dict[str, Any]:
@@ -75,6 +78,7 @@ def _one(run: Run) -> dict[str, Any]:
         lease_ms=run.lease_ms,
         detect_ms=run.detect_ms,
         admit_bump=run.bump,
+        admit_open=run.admit_open,
     )
     rate = run.load * run.replicas * run.batch * 4
     sim = Simulation(config, make_workload(rate, run.seconds, paid_fraction=PAID_FRACTION, seed=run.seed))
@@ -148,6 +152,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
             args.detect_ms,
             args.bump,
             args.single_listener,
+            not args.no_open,
         )
         for load in loads
         for name in arms
@@ -165,6 +170,7 @@ def run_host_loss_sim(args: argparse.Namespace) -> int:
         "copies: off, of running requests, of buffered ones too, and idle replicas' batches of copies"
     ) + ("; free requests bumped by paid ones" if args.bump else "")
     title += "; arrivals to the replica gathering" if args.single_listener else ""
+    title += "; admitted by the worst phase's limit (ADMIT_OPEN off)" if args.no_open else ""
     table = Table(title=title)
     for col in (
         "load",

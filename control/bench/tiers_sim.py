@@ -7,7 +7,8 @@ already gathering a batch rather than to the next idle one in line
 (`SINGLE_LISTENER`, `SimConfig.concentrate_idle`), free requests admitted with no room
 kept for paid ones, which bump them where they must (`ADMIT_BUMP`, `SimConfig.admit_bump`),
 or, with one listener at a time in both arms, busy replicas yielding their lead to an idle
-listener (`LEAD_YIELDS`, `SimConfig.lead_yields`).
+listener (`LEAD_YIELDS`, `SimConfig.lead_yields`), or admission as deep as the best phase
+allows while the demand is below capacity (`ADMIT_OPEN`, `SimConfig.admit_open`).
 
 Each case is R replicas of batch B on the fixed 250 ms backend (plus up to `--jitter-ms`,
 as batches stretch on a CPU-bound machine), 30% paid, a 600 ms budget and free-slot
@@ -44,6 +45,7 @@ class Run(NamedTuple):
     concentrate: bool = False
     bump: bool = False
     lead_yields: bool = True
+    admit_open: bool = True
 
 
 # Each switch's field of `Run`, and the key its arm has in a run's figures.
@@ -54,11 +56,12 @@ SWITCHES = {
     "concentrate": ("concentrate", "concentrate_idle"),
     "bump": ("bump", "admit_bump"),
     "lead-yields": ("lead_yields", "lead_yields"),
+    "admit-open": ("admit_open", "admit_open"),
 }
 
 
 def _one(run: Run) -> dict[str, Any]:
-    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased, concentrate, bump, yields = run
+    replicas, batch, load, seconds, jitter, hand_back, horizon, early, phased, concentrate, bump, yields, open_ = run
     config = SimConfig(
         replicas=[replicas],
         max_batch=batch,
@@ -72,6 +75,7 @@ def _one(run: Run) -> dict[str, Any]:
         concentrate_idle=concentrate,
         admit_bump=bump,
         lead_yields=yields,
+        admit_open=open_,
     )
     result = simulate(config, make_workload(load * replicas * batch * 4, seconds, paid_fraction=0.3, seed=1))
     tiers, counts = result.by_tier(), result.counts()
@@ -87,6 +91,7 @@ def _one(run: Run) -> dict[str, Any]:
         "concentrate_idle": concentrate,
         "admit_bump": bump,
         "lead_yields": yields,
+        "admit_open": open_,
         "bumped": result.stats["bumped"],
         "ok_per_s": round(counts.get("ok", 0) / seconds, 1),
         "status_429": counts.get("refused_429", 0),
@@ -131,6 +136,7 @@ def run_tiers_sim(args: argparse.Namespace) -> int:
         "concentrate": "concentrate idle",
         "bump": "bump free",
         "lead-yields": "lead yields",
+        "admit-open": "admit open",
     }.get(args.switch, "hand back the rest")
     table = Table(title=f"Paid against free, simulated ({switch}: off / on)")
     for col in ("case", "load", switch if args.switch != "hand-back" else "horizon", "answered 200/s", "429", "504"):

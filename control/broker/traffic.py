@@ -2,7 +2,8 @@
 model and tier, in one small hash per second that expires after `KEEP_S`.
 
 Gateways count the requests they admit in memory and add them every 100 ms, with their
-sweep (`record_arrivals`: a few commands a gateway process, not one per request);
+sweep (`record_arrivals`: a few commands a gateway process, not one per request), and
+with ADMIT_OPEN every request they were asked to admit (`asked_field`, `read_asked`);
 replicas count what they answer in the pipeline that delivers a batch (`record_done`).
 Any process reads the last seconds with `read_traffic`: one round trip for the buckets,
 queue depths and the oldest queued message of every model and tier.
@@ -31,6 +32,24 @@ TIERS: tuple[Tier, ...] = get_args(Tier)
 def arrival_field(model: str, tier: str) -> str:
     """The field of a second's hash that counts the admissions of a model's tier."""
     return f"{model}|{tier}|in"
+
+
+def asked_field(model: str) -> str:
+    """The field of a second's hash that counts the requests of a model that gateways asked
+    the cell to admit, admitted or not (ADMIT_OPEN's demand)."""
+    return f"{model}|asked"
+
+
+def read_asked(client: redis.Redis, models: list[str], now_ms: float, whole_s: int) -> dict[str, list[int]]:
+    """Each model's asked requests in the `whole_s` whole seconds before `now_ms`'s, oldest
+    first, then in its second so far (what the gateways have added): one round trip."""
+    second = int(now_ms // 1000)
+    fields = [asked_field(m) for m in models]
+    pipe = client.pipeline(transaction=False)
+    for s in range(second - whole_s, second + 1):
+        pipe.hmget(keys.traffic_key(s), fields)
+    rows = pipe.execute()
+    return {m: [int(row[i] or 0) for row in rows] for i, m in enumerate(models)}
 
 
 def _bucket(e2e_ms: float) -> int:

@@ -287,12 +287,13 @@ def add_tiers_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--horizons", default="0.6,0.85", help="other urgency horizons tried at 110%% and 200%%")
     p.add_argument(
         "--switch",
-        choices=["hand-back", "pull-early", "admit-phased", "concentrate", "bump", "lead-yields"],
+        choices=["hand-back", "pull-early", "admit-phased", "concentrate", "bump", "lead-yields", "admit-open"],
         default="hand-back",
         help="what each case runs off and on: HAND_BACK_REST, PULL_EARLY, ADMIT_PHASED, arrivals concentrated "
         "on an idle replica already gathering (SINGLE_LISTENER), free requests bumped by paid ones "
         "(ADMIT_BUMP), or busy replicas yielding their lead to an idle listener (LEAD_YIELDS, one listener "
-        "in both arms); no other horizons then",
+        "in both arms), or admission as deep as the best phase allows while the demand is below capacity "
+        "(ADMIT_OPEN); no other horizons then",
     )
     p.add_argument("--jitter-ms", type=float, default=0.0, help="a batch takes 250 ms plus up to this much more")
     p.add_argument("--seconds", type=float, default=40.0, help="simulated seconds a run")
@@ -311,6 +312,11 @@ def add_host_loss_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detect-ms", type=float, default=400.0, help="from the loss to the sweep (lease and sweep)")
     p.add_argument(
         "--bump", action="store_true", help="every arm admits free requests that paid ones may bump (simulator only)"
+    )
+    p.add_argument(
+        "--no-open",
+        action="store_true",
+        help="every arm admits by the worst phase's limit at any load (ADMIT_OPEN off; it is on by default)",
     )
     p.add_argument(
         "--arms",

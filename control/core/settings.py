@@ -138,6 +138,13 @@ class Settings(BaseSettings):
         "paid ones only, and the first free request it would push past its last batch start is answered 429 "
         "(static replicas; docs/decisions/0034)",
     )
+    admit_open: bool = Field(
+        True,
+        description="while the demand over the last 5 s is below 95% of the static replicas' rate, a request is "
+        "admitted as deep as the best phase of its budget allows (two batch slots beyond the worst phase's), "
+        "with no room kept for paid arrivals; the replicas answer 504 the few that then miss "
+        "(docs/decisions/0039)",
+    )
     single_listener: bool = Field(
         True,
         description="at most one idle replica of a model waits on its queue at a time, and hands that turn on "

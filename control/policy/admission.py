@@ -21,8 +21,12 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from control.core.vocab import FREE, PAID, Tier
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,102 @@ class RateMeter:
             elapsed = now_ms - self._start
             self._last_rate = self._count * 1000.0 / elapsed if elapsed < 2 * self.window_ms else 0.0
             self._start, self._count = now_ms, 0
+
+
+OPEN_WINDOW_S = 5  # whole seconds of demand the open gate weighs, before the current one
+OPEN_BELOW = 1.0  # of the replicas' rate, over the window
+OPEN_BURST_BELOW = 1.1  # of the replicas' rate, over the current second (from half of it) or the last one and it,
+OPEN_BURST_SIGMAS = 3.0  # or more where that many standard deviations of arrivals at capacity are more
+OPEN_REFRESH_MS = 250.0  # how often a gateway reads the demand and works its gate out again
+OPEN_LAG_MS = 100.0  # gateways add what they were asked to the broker's counters every 100 ms
+
+
+def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: float) -> bool:
+    """ADMIT_OPEN's gate: whether the demand is below what a model's static replicas serve.
+    `per_second`: the requests the cell was asked to admit (admitted or not) in each of the
+    last `OPEN_WINDOW_S` whole seconds, oldest first, then the current second's so far,
+    `into_current_s` of it counted.
+
+    Below capacity, a request refused for want of room is one of a burst that the next
+    starts would have taken; well past it, the queue stays at its limit, and a deeper one
+    only moves answers later. So the gate opens while the window's demand is below
+    `OPEN_BELOW` of the replicas' rate, and shuts at once where the current second's (or,
+    early in it, the last one's and its) passes `OPEN_BURST_BELOW`: a spike from idle is
+    seen within half a second."""
+    if capacity_rps <= 0 or len(per_second) < 2:
+        return False
+    *whole, current = per_second
+    window_rps = (sum(whole) + current) / (len(whole) + into_current_s)
+    span_s = into_current_s if into_current_s >= 0.5 else 1.0 + into_current_s
+    burst_rps = (current if into_current_s >= 0.5 else whole[-1] + current) / span_s
+    # Poisson arrivals at capacity vary by sqrt(n) in a span that expects n: on a small
+    # fleet a half second at 110% is noise, on a large one it is a spike.
+    burst_below = max(OPEN_BURST_BELOW, 1.0 + OPEN_BURST_SIGMAS / math.sqrt(capacity_rps * span_s))
+    return window_rps < OPEN_BELOW * capacity_rps and burst_rps < burst_below * capacity_rps
+
+
+OPEN_MEMORY_MS = 1000.0  # a paid request is admitted deep this long after the gate was last open
+
+
+class OpenGate:
+    """ADMIT_OPEN's gate for one model of a cell, worked out again at each read of the
+    demand (`update`): whether a request of a tier is admitted as deep as
+    `open_position`. A free one while the gate is open; a paid one also for
+    `OPEN_MEMORY_MS` after, as the free requests admitted deep while it was open are still
+    in line (a paid request behind them, refused at the shut gate's limit, was the one paid
+    failure left on 2 x 16 at capacity)."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.open_ms = -math.inf  # when last seen open
+        self.updated_ms = -math.inf
+
+    def update(self, per_second: Sequence[int], into_current_s: float, capacity_rps: float, now_ms: float) -> None:
+        self.open = is_open(per_second, into_current_s, capacity_rps)
+        self.updated_ms = now_ms
+        if self.open:
+            self.open_ms = now_ms
+
+    def admits_deep(self, tier: Tier, now_ms: float) -> bool:
+        return self.open if tier == FREE else now_ms - self.open_ms <= OPEN_MEMORY_MS
+
+
+class SecondCounts:
+    """Requests counted per whole second of the clock, as the broker's traffic counters keep
+    them (control/broker/traffic.py): the simulator's view for `is_open`."""
+
+    def __init__(self, keep_s: int = OPEN_WINDOW_S) -> None:
+        self.keep_s = keep_s
+        self._counts: dict[int, int] = {}
+
+    def add(self, now_ms: float) -> None:
+        second = int(now_ms // 1000)
+        self._counts[second] = self._counts.get(second, 0) + 1
+        for old in [k for k in self._counts if k < second - self.keep_s]:
+            del self._counts[old]
+
+    def window(self, now_ms: float) -> tuple[list[int], float]:
+        """(`is_open`'s counts, how far into the current second)."""
+        second = int(now_ms // 1000)
+        return [self._counts.get(k, 0) for k in range(second - self.keep_s, second + 1)], (now_ms % 1000) / 1000
+
+
+OPEN_EXTRA_SLOTS = 2  # beyond the worst phase's: the best phase holds one more, jitter the other
+
+
+def open_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
+    """ADMIT_OPEN's deepest position, where the `OpenGate` admits a request deep: for static
+    replicas, every start the budget could hold; a free request still leaves room for the
+    paid arrivals expected before the last of them. 0 for a continuous engine, whose limit
+    holds (its seats free at every step, which the slots here do not follow)."""
+    if capacity.join_ms > 0:
+        return 0
+    slots = max_slots(budget_ms, capacity, limits) + OPEN_EXTRA_SLOTS
+    deepest = slots * capacity.max_batch
+    if tier == FREE:
+        before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
+        deepest = max(1, deepest - paid_reserve(paid_rate_rps, before_last))
+    return min(deepest, limits.max_queue(tier))
 
 
 def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:

@@ -45,6 +45,9 @@ class SimConfig:
     # waits behind paid ones only, and the first free request in the queue it would push
     # past its last start leaves, refused 429 ("bumped").
     admit_bump: bool = False
+    # ADMIT_OPEN: while the demand over the last seconds is below the replicas' rate
+    # (`admission.is_open`), a request is admitted as deep as the best phase allows.
+    admit_open: bool = True
     launch_refresh_ms: float = 50.0
     host_size: int = 8  # replicas a host carries (a group's replicas fill hosts in turn)
     # Free-slot hedging (tasks/policy/hedging.py): a static batch's empty slots carry

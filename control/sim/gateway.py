@@ -37,6 +37,14 @@ class GatewaySide(ReplicaSide):
             position = waiting[1] + 1  # behind paid ones only; the free ones it delays too long leave
             if position <= deepest:
                 self._bump(group)
+        asked = group.asked
+        if asked is not None and not resent:
+            asked.add(now)
+            gate = group.open_gate
+            if now - gate.updated_ms >= admission.OPEN_REFRESH_MS:
+                gate.update(*asked.window(now), group.capacity().requests_per_s, now)
+            if verdict is _ADMIT and gate.admits_deep(TIERS[paid], now):
+                deepest = max(deepest, group.open_deepest[paid])
         if verdict is not _ADMIT or position > deepest:
             state[i] = EXPIRED if verdict == Verdict.TOO_SHORT else REFUSED
             return

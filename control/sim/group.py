@@ -138,6 +138,10 @@ class Group:
         # again every `launch_refresh_ms`, as a gateway reads the launch list.
         self.admit_phased = config.admit_phased and not self.continuous
         self.bump = config.admit_bump and not self.continuous  # `SimConfig.admit_bump`
+        # ADMIT_OPEN: the requests asked per second, as gateways count them in the broker
+        self.asked = admission.SecondCounts() if config.admit_open and not self.continuous else None
+        self.open_gate = admission.OpenGate()  # worked out every `OPEN_REFRESH_MS`, as a gateway's
+        self.open_deepest = (0, 0)
         self.launch_refresh_ms = config.launch_refresh_ms
         self.refresh_ms = config.admission_refresh_ms
         # `Capacity.cycle_ms`: the cycle a replica measures, with jitter the batch's mean
@@ -198,6 +202,11 @@ class Group:
             if self.verdict == Verdict.ADMIT
             else (0, 0)
         )
+        if self.asked is not None and self.verdict == Verdict.ADMIT:
+            self.open_deepest = (
+                admission.open_position(FREE, budget_ms, capacity, self.limits, rate),
+                admission.open_position(PAID, budget_ms, capacity, self.limits),
+            )
         self.deepest_at = now
         if capacity.phases is not None:
             starts = capacity.phases.starts_ms

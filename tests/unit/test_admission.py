@@ -282,3 +282,53 @@ def test_phases_never_count_fewer_starts_than_the_worst_phase() -> None:
     assert max_position(PAID, 600.0, continuous, LIMITS, 0.0, 1000.0, 100.0) == max_position(
         PAID, 600.0, replace(continuous, phases=None), LIMITS
     )
+
+
+def test_the_open_gate_opens_below_capacity_over_its_window_and_shuts_at_a_burst() -> None:
+    # 100 a second served; five whole seconds, then the current one.
+    assert admission.is_open([90, 90, 90, 90, 90, 45], 0.5, 100.0)
+    assert not admission.is_open([90, 90, 90, 90, 90, 45], 0.5, 90.0)  # fewer replicas: at their rate
+    assert not admission.is_open([100, 100, 100, 100, 100, 50], 0.5, 100.0)  # at capacity
+    assert admission.is_open([100, 100, 100, 100, 90, 50], 0.5, 100.0)  # just below it
+    # A spike from idle, seen in the current second from half of it: 100 a second vary by
+    # 3 deviations (sqrt(50) in half a second) up to 142 a second, 1,000 a second up to 113.
+    assert not admission.is_open([0, 0, 0, 0, 0, 75], 0.5, 100.0)  # 150 a second
+    assert admission.is_open([0, 0, 0, 0, 0, 65], 0.5, 100.0)  # 130: not told from noise yet
+    assert not admission.is_open([0, 0, 0, 0, 0, 650], 0.5, 1000.0)  # 130 on a fleet ten times the size
+    assert admission.is_open([0, 0, 0, 0, 0, 20], 0.2, 100.0)  # its first fifth: 100 a second is no burst yet
+    assert not admission.is_open([0, 0, 0, 0, 160, 20], 0.2, 100.0)  # early in a second, the last one counts
+    assert not admission.is_open([90], 0.5, 100.0)  # no window
+    assert not admission.is_open([0, 0, 0, 0, 0, 0], 0.5, 0.0)  # no replica
+
+
+def test_the_gate_admits_paid_requests_deep_for_a_second_after_it_was_last_open() -> None:
+    gate = admission.OpenGate()
+    assert not gate.admits_deep(PAID, 0.0) and not gate.admits_deep(FREE, 0.0)
+    gate.update([90, 90, 90, 90, 90, 45], 0.5, 100.0, 1000.0)
+    assert gate.admits_deep(FREE, 1000.0) and gate.admits_deep(PAID, 1000.0)
+    gate.update([90, 90, 90, 90, 150, 80], 0.5, 100.0, 1250.0)  # a burst shuts it
+    assert not gate.admits_deep(FREE, 1250.0)
+    # the free requests admitted deep are still in line: a paid one is not refused behind them
+    assert gate.admits_deep(PAID, 1250.0) and gate.admits_deep(PAID, 2000.0)
+    assert not gate.admits_deep(PAID, 2001.0)
+
+
+def test_second_counts_keep_the_window_as_the_brokers_counters_do() -> None:
+    counts = admission.SecondCounts(keep_s=2)
+    for t in (100.0, 1100.0, 1200.0, 2300.0, 3400.0, 3500.0, 3600.0):
+        counts.add(t)
+    assert counts.window(3750.0) == ([2, 1, 3], 0.75)  # two whole seconds, then the current one
+    assert counts.window(5000.0) == ([3, 0, 0], 0.0)
+
+
+def test_an_open_gate_admits_two_slots_past_the_worst_phase_keeping_room_for_paid_arrivals() -> None:
+    # 600 ms budget on 2 x 64: the worst phase holds two slots (128 positions), open four.
+    assert admission.open_position(PAID, 600.0, CAP, LIMITS) == 4 * 64
+    assert admission.open_position(FREE, 600.0, CAP, LIMITS) == 4 * 64  # no paid traffic to keep room for
+    # Room for the paid arrivals expected before the fourth slot starts (at the mean phase).
+    expected = 50.0 * (4 * 125.0 - 62.5) / 1000.0
+    room = math.ceil(expected + math.sqrt(expected))
+    assert admission.open_position(FREE, 600.0, CAP, LIMITS, 50.0) == 4 * 64 - room
+    assert max_position(FREE, 600.0, CAP, LIMITS, 50.0) < 128 < 4 * 64 - room
+    assert admission.open_position(FREE, 600.0, CAP, Limits(4096, 100, 15.0)) == 100  # the queue's cap holds
+    assert admission.open_position(FREE, 600.0, replace(CAP, join_ms=20.0), LIMITS) == 0  # continuous: the limit

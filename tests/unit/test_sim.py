@@ -293,11 +293,12 @@ def test_with_batch_times_that_vary_paid_requests_are_ahead_only_where_busy_repl
     """Batches that take 250-290 ms (as on a CPU-bound machine): a busy replica that pulls
     its next batch as soon as no peer frees before it (PULL_EARLY) fills its buffer with
     free requests a slot ahead, and a paid request arriving after them waits for the start
-    after. Left in the queue until a lead before the start, paid requests go first."""
+    after. Left in the queue until a lead before the start, paid requests go first. Against
+    admission by the worst phase's limit (`admit_open=False`), where the rule was weighed."""
     workload = make_workload(1.1 * 2 * 32 * 4, 20, paid_fraction=0.3, seed=1)
     ratio = {}
     for early in (True, False):
-        config = make_config(2, max_batch=32, budget_ms=600, batch_jitter_ms=40.0, pull_early=early)
+        config = make_config(2, max_batch=32, budget_ms=600, batch_jitter_ms=40.0, pull_early=early, admit_open=False)
         tiers = simulate(config, workload).by_tier()
         ratio[early] = tiers["paid"]["p99_ms"] / tiers["free"]["p99_ms"]
     assert ratio[False] <= 0.85 and ratio[True] >= 0.95, ratio
@@ -401,13 +402,15 @@ def test_free_requests_bumped_by_paid_ones_are_refused_less_and_miss_nothing() -
     paid one bumps the first free request it would push past its last start. On 2 x 16 at
     90% load far fewer are refused than with the reserve; past capacity no request misses
     its deadline and no paid one is refused (bumping the newest free request instead let
-    the ones before it miss: 290 × 504 at 200%)."""
+    the ones before it miss: 290 × 504 at 200%). Against the reserve as it was weighed,
+    with admission by the worst phase's limit (`admit_open=False`)."""
     figures = {}
     for load in (0.9, 2.0):
         workload = make_workload(load * 2 * 16 * 4, 20, paid_fraction=0.3, seed=1)
         paid = workload.paid.astype(bool)
         for bump in (False, True):
-            result = simulate(make_config(2, max_batch=16, budget_ms=600, hedge="all", admit_bump=bump), workload)
+            config = make_config(2, max_batch=16, budget_ms=600, hedge="all", admit_bump=bump, admit_open=False)
+            result = simulate(config, workload)
             state = result.state
             figures[load, bump] = (
                 int((state == REFUSED).sum()),
@@ -573,3 +576,23 @@ def test_one_listener_keeps_full_batches_after_a_disturbance_where_busy_replicas
             mean[yields, idle] = float(np.mean(result.batch_sizes))
     assert mean[False, False] > 50 and mean[False, True] < 45, mean
     assert min(mean[True, False], mean[True, True]) > 50, mean
+
+
+def test_admitted_deeper_below_capacity_fewer_requests_fail_and_no_paid_one() -> None:
+    """`admit_open`: while the demand is below the replicas' rate a free request is admitted
+    as deep as the best phase allows (a paid one at any load), and the replicas' deadline
+    rule answers 504 the few that then miss. On 2 x 16 at 90% far fewer requests fail than
+    with the worst phase's limit; past capacity the gate shuts, and nothing changes but
+    that no paid request fails."""
+    figures = {}
+    for load in (0.9, 2.0):
+        workload = make_workload(load * 2 * 16 * 4, 20, paid_fraction=0.3, seed=1)
+        paid = workload.paid.astype(bool)
+        for admit_open in (False, True):
+            config = make_config(2, max_batch=16, budget_ms=600, hedge="all", admit_open=admit_open)
+            state = simulate(config, workload).state
+            failed = (state == REFUSED) | (state == EXPIRED) | (state == LATE)
+            figures[load, admit_open] = (int(failed.sum()), int(failed[paid].sum()), int((state == OK).sum()))
+    assert figures[0.9, True][0] * 3 < figures[0.9, False][0], figures
+    assert figures[0.9, True][1] == figures[2.0, True][1] == 0, figures
+    assert figures[2.0, True][2] >= 0.99 * figures[2.0, False][2], figures
