@@ -345,7 +345,8 @@ class RateMeter:
 
 
 OPEN_WINDOW_S = 5  # whole seconds of demand the open gate weighs, before the current one
-OPEN_BELOW = 1.0  # of the replicas' rate, over the window
+OPEN_BELOW = 1.0  # of the replicas' rate, over the window (from the first second with traffic in it)
+OPEN_MIN_S = 0.25  # of traffic seen in the window before the gate may open
 OPEN_BURST_BELOW = 1.1  # of the replicas' rate, over the current second (from half of it) or the last one and it,
 OPEN_BURST_SIGMAS = 3.0  # or more where that many standard deviations of arrivals at capacity are more
 OPEN_REFRESH_MS = 250.0  # how often a gateway reads the demand and works its gate out again
@@ -362,16 +363,22 @@ def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: floa
     starts would have taken; well past it, the queue stays at its limit, and a deeper one
     only moves answers later. So the gate opens while the window's demand is below
     `OPEN_BELOW` of the replicas' rate, and shuts at once where the current second's (or,
-    early in it, the last one's and its) passes `OPEN_BURST_BELOW`: a spike from idle is
-    seen within half a second."""
+    early in it, the last one's and its) passes `OPEN_BURST_BELOW`, or as many standard
+    deviations of arrivals at capacity as `OPEN_BURST_SIGMAS` where that is more (on a small
+    fleet a half second at 110% is noise). The window starts at its first second with
+    traffic: a spike from idle is past capacity at once, and shut after `OPEN_MIN_S`."""
     if capacity_rps <= 0 or len(per_second) < 2:
         return False
     *whole, current = per_second
-    window_rps = (sum(whole) + current) / (len(whole) + into_current_s)
+    seen = len(whole) - next((i for i, n in enumerate(whole) if n), len(whole))  # whole seconds since traffic began
+    if seen + into_current_s < OPEN_MIN_S:
+        return False
+    window_rps = (sum(whole) + current) / (seen + into_current_s)
+    if seen == 0:
+        return window_rps < OPEN_BELOW * capacity_rps
     span_s = into_current_s if into_current_s >= 0.5 else 1.0 + into_current_s
     burst_rps = (current if into_current_s >= 0.5 else whole[-1] + current) / span_s
-    # Poisson arrivals at capacity vary by sqrt(n) in a span that expects n: on a small
-    # fleet a half second at 110% is noise, on a large one it is a spike.
+    # Poisson arrivals at capacity vary by sqrt(n) in a span that expects n.
     burst_below = max(OPEN_BURST_BELOW, 1.0 + OPEN_BURST_SIGMAS / math.sqrt(capacity_rps * span_s))
     return window_rps < OPEN_BELOW * capacity_rps and burst_rps < burst_below * capacity_rps
 

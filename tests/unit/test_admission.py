@@ -284,19 +284,23 @@ def test_phases_never_count_fewer_starts_than_the_worst_phase() -> None:
     )
 
 
-def test_the_open_gate_opens_below_capacity_over_its_window_and_shuts_at_a_burst() -> None:
+def test_the_open_gate_opens_below_capacity_over_its_traffic_and_shuts_at_a_burst() -> None:
     # 100 a second served; five whole seconds, then the current one.
     assert admission.is_open([90, 90, 90, 90, 90, 45], 0.5, 100.0)
     assert not admission.is_open([90, 90, 90, 90, 90, 45], 0.5, 90.0)  # fewer replicas: at their rate
     assert not admission.is_open([100, 100, 100, 100, 100, 50], 0.5, 100.0)  # at capacity
     assert admission.is_open([100, 100, 100, 100, 90, 50], 0.5, 100.0)  # just below it
-    # A spike from idle, seen in the current second from half of it: 100 a second vary by
-    # 3 deviations (sqrt(50) in half a second) up to 142 a second, 1,000 a second up to 113.
-    assert not admission.is_open([0, 0, 0, 0, 0, 75], 0.5, 100.0)  # 150 a second
-    assert admission.is_open([0, 0, 0, 0, 0, 65], 0.5, 100.0)  # 130: not told from noise yet
-    assert not admission.is_open([0, 0, 0, 0, 0, 650], 0.5, 1000.0)  # 130 on a fleet ten times the size
-    assert admission.is_open([0, 0, 0, 0, 0, 20], 0.2, 100.0)  # its first fifth: 100 a second is no burst yet
-    assert not admission.is_open([0, 0, 0, 0, 160, 20], 0.2, 100.0)  # early in a second, the last one counts
+    # A burst, seen in the current second from half of it: 100 a second vary by 3
+    # deviations (sqrt(50) in half a second) up to 142 a second, 1,000 a second up to 113.
+    assert not admission.is_open([90, 90, 90, 90, 90, 75], 0.5, 100.0)  # 150 a second
+    assert admission.is_open([90, 90, 90, 90, 90, 65], 0.5, 100.0)  # 130: not told from noise yet
+    assert not admission.is_open([900, 900, 900, 900, 900, 650], 0.5, 1000.0)  # 130 on a fleet ten times the size
+    assert not admission.is_open([80, 80, 80, 80, 160, 20], 0.2, 100.0)  # early in a second, the last one counts
+    # From idle, the window starts with the traffic: a spike is past capacity at once.
+    assert not admission.is_open([0, 0, 0, 0, 0, 20], 0.1, 100.0)  # a tenth of a second tells nothing yet
+    assert admission.is_open([0, 0, 0, 0, 0, 20], 0.3, 100.0)  # 67 a second
+    assert not admission.is_open([0, 0, 0, 0, 0, 40], 0.3, 100.0)  # 133 a second
+    assert not admission.is_open([0, 0, 0, 0, 130, 20], 0.2, 100.0)
     assert not admission.is_open([90], 0.5, 100.0)  # no window
     assert not admission.is_open([0, 0, 0, 0, 0, 0], 0.5, 0.0)  # no replica
 
