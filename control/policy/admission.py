@@ -346,7 +346,7 @@ class RateMeter:
 
 OPEN_WINDOW_S = 5  # whole seconds of demand the open gate weighs, before the current one
 OPEN_BELOW = 1.0  # of the replicas' rate, over the window (from the first second with traffic in it)
-OPEN_MIN_S = 0.25  # of traffic seen in the window before the gate may open
+OPEN_MIN_S = 2.0  # of traffic seen in the window before the gate may open (a cold start keeps the limit)
 OPEN_BURST_BELOW = 1.1  # of the replicas' rate, over the current second (from half of it) or the last one and it,
 OPEN_BURST_SIGMAS = 3.0  # or more where that many standard deviations of arrivals at capacity are more
 OPEN_REFRESH_MS = 250.0  # how often a gateway reads the demand and works its gate out again
@@ -366,7 +366,8 @@ def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: floa
     early in it, the last one's and its) passes `OPEN_BURST_BELOW`, or as many standard
     deviations of arrivals at capacity as `OPEN_BURST_SIGMAS` where that is more (on a small
     fleet a half second at 110% is noise). The window starts at its first second with
-    traffic: a spike from idle is past capacity at once, and shut after `OPEN_MIN_S`."""
+    traffic, and the gate stays shut for its first `OPEN_MIN_S`: a spike from idle to 110%
+    opened it for four seconds, and what it admitted deep ended 504."""
     if capacity_rps <= 0 or len(per_second) < 2:
         return False
     *whole, current = per_second

@@ -593,6 +593,6 @@ def test_admitted_deeper_below_capacity_fewer_requests_fail_and_no_paid_one() ->
             state = simulate(config, workload).state
             failed = (state == REFUSED) | (state == EXPIRED) | (state == LATE)
             figures[load, admit_open] = (int(failed.sum()), int(failed[paid].sum()), int((state == OK).sum()))
-    assert figures[0.9, True][0] * 3 < figures[0.9, False][0], figures
+    assert figures[0.9, True][0] * 2 < figures[0.9, False][0], figures  # the first 2 s keep the limit
     assert figures[0.9, True][1] == figures[2.0, True][1] == 0, figures
     assert figures[2.0, True][2] >= 0.99 * figures[2.0, False][2], figures
