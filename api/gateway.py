@@ -38,7 +38,7 @@ from control.broker.scripts import Admission, BumpTerms, RescueOffer, TenantTerm
 from control.core import protocol as p
 from control.core.clock import BrokerClock, Clock
 from control.core.settings import Settings
-from control.core.vocab import PAID, TIERS, Tier
+from control.core.vocab import FREE, PAID, TIERS, Tier
 from control.policy import admission, reuse
 from control.policy.admission import Capacity, Limits, Verdict
 from control.policy.cells import cell_order
@@ -274,7 +274,7 @@ class Gateway:
             # Every key that asks is seen, refused or not: one refused while another fills
             # the queue puts that one back to its share.
             self._other_keys.add(job.model, job.tier, p.tenant_of(job.key), now)
-            deepest = self._deepest(cell, job, budget, capacity, now)
+            deepest, limit = self._deepest(cell, job, budget, capacity, now)
             position = self._recent_position(cell, job, self._bumps(capacity))
             if position > deepest:  # the queue was this deep a moment ago: refuse without a round trip
                 verdict = Verdict.OVERLOADED
@@ -287,6 +287,9 @@ class Gateway:
             finally:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
+            gate = cell.open_gates.get(job.model)
+            if verdict == Verdict.ADMIT and job.tier == FREE and gate is not None:
+                gate.admitted(time.monotonic() * 1000, position > limit)
         if job.tier == PAID and verdict in (Verdict.ADMIT, Verdict.OVERLOADED):
             # Paid requests count for the free tier's reserve when admitted or refused for
             # want of room (a free key filling the queue must not hide them), not when
@@ -315,20 +318,20 @@ class Gateway:
             capacity = cell.fleet.capacity(model)
         return capacity
 
-    def _deepest(self, cell: Cell, job: p.Job, budget_ms: float, capacity: Capacity, now_ms: float) -> int:
-        """The deepest position in the cell's queue at which the request still fits."""
+    def _deepest(self, cell: Cell, job: p.Job, budget_ms: float, capacity: Capacity, now_ms: float) -> tuple[int, int]:
+        """The deepest position in the cell's queue at which the request may be admitted, and
+        the limit at which it still fits at the worst phase (the same, unless ADMIT_OPEN's
+        gate admits it deeper)."""
         # Each process sees its share of the paid traffic (connections spread evenly).
         meter = cell.paid_rate.setdefault(job.model, admission.RateMeter())
         paid_rate = meter.rate(now_ms) * self.settings.api_processes
         demand = cell.demand.get(job.model)
         demand_rps = demand.rate(now_ms) * self.settings.api_processes if demand is not None else None
         bump = self._bumps(capacity)
-        deepest = admission.max_position(
-            job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps, bump
-        )
+        limit = admission.max_position(job.tier, budget_ms, capacity, self.limits, paid_rate, now_ms, demand_rps, bump)
         if self.settings.admit_open and self._admits_deep(cell, job):
-            deepest = max(deepest, admission.open_position(job.tier, budget_ms, capacity, self.limits, paid_rate))
-        return deepest
+            return max(limit, admission.open_position(job.tier, budget_ms, capacity, self.limits, paid_rate)), limit
+        return limit, limit
 
     def _admits_deep(self, cell: Cell, job: p.Job) -> bool:
         """ADMIT_OPEN's gate, on the cell's demand as every gateway counted it (a process
@@ -763,7 +766,7 @@ class Gateway:
             capacity = cell.fleet.capacity(job.model)
             if admission.check(budget, capacity, self.limits) != Verdict.ADMIT:
                 continue
-            deepest = self._deepest(cell, job, budget, capacity, now)
+            deepest, _limit = self._deepest(cell, job, budget, capacity, now)
             waiter.behind = job.behind = False  # the new cell's admission decides, as at the first
             try:
                 verdict, _position, _retry = self._enqueue(cell, waiter, waiter.session, deepest, capacity)

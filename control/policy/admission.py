@@ -387,27 +387,55 @@ def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: floa
 OPEN_MEMORY_MS = 1000.0  # a paid request is admitted deep this long after the gate was last open
 
 
+OPEN_DEEP_SHARE = 0.5  # of the free admissions of the last half second or so beyond the limit: the gate shuts
+
+
 class OpenGate:
     """ADMIT_OPEN's gate for one model of a cell, worked out again at each read of the
     demand (`update`): whether a request of a tier is admitted as deep as
     `open_position`. A free one while the gate is open; a paid one also for
     `OPEN_MEMORY_MS` after, as the free requests admitted deep while it was open are still
     in line (a paid request behind them, refused at the shut gate's limit, was the one paid
-    failure left on 2 x 16 at capacity)."""
+    failure left on 2 x 16 at capacity).
+
+    Open where the demand is below capacity (`is_open`), and where fewer than
+    `OPEN_DEEP_SHARE` of the free requests admitted in the last half second to second went
+    beyond the limit (`admitted`). Below capacity a few do, in bursts; a ramp into overload
+    fills the deep positions within a second or two, before the demand's window passes
+    capacity (it opened the gate for the first 3-4 s at 110% on 2 x 16)."""
 
     def __init__(self) -> None:
         self.open = False
         self.open_ms = -math.inf  # when last seen open
         self.updated_ms = -math.inf
+        self._admitted = [0, 0, 0, 0]  # last period's admitted and deep, this period's
+        self._period_ms = -math.inf
+
+    def admitted(self, now_ms: float, deep: bool) -> None:
+        """A free request admitted; `deep`: beyond the limit, where only the open gate admits."""
+        if now_ms - self._period_ms >= OPEN_DEEP_PERIOD_MS:
+            fresh = now_ms - self._period_ms < 2 * OPEN_DEEP_PERIOD_MS
+            self._admitted = [self._admitted[2], self._admitted[3], 0, 0] if fresh else [0, 0, 0, 0]
+            self._period_ms = now_ms
+        self._admitted[2] += 1
+        self._admitted[3] += deep
+
+    def deep_share(self) -> float:
+        num = self._admitted[0] + self._admitted[2]
+        return (self._admitted[1] + self._admitted[3]) / num if num >= OPEN_DEEP_MIN else 0.0
 
     def update(self, per_second: Sequence[int], into_current_s: float, capacity_rps: float, now_ms: float) -> None:
-        self.open = is_open(per_second, into_current_s, capacity_rps)
+        self.open = is_open(per_second, into_current_s, capacity_rps) and self.deep_share() < OPEN_DEEP_SHARE
         self.updated_ms = now_ms
         if self.open:
             self.open_ms = now_ms
 
     def admits_deep(self, tier: Tier, now_ms: float) -> bool:
         return self.open if tier == FREE else now_ms - self.open_ms <= OPEN_MEMORY_MS
+
+
+OPEN_DEEP_PERIOD_MS = 500.0
+OPEN_DEEP_MIN = 10  # admissions the share needs before it counts
 
 
 class SecondCounts:

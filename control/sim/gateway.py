@@ -43,8 +43,11 @@ class GatewaySide(ReplicaSide):
             gate = group.open_gate
             if now - gate.updated_ms >= admission.OPEN_REFRESH_MS:
                 gate.update(*asked.window(now), group.capacity().requests_per_s, now)
+            limit = deepest
             if verdict is _ADMIT and gate.admits_deep(TIERS[paid], now):
                 deepest = max(deepest, group.open_deepest[paid])
+            if not paid and verdict is _ADMIT and position <= deepest:
+                gate.admitted(now, position > limit)
         if verdict is not _ADMIT or position > deepest:
             state[i] = EXPIRED if verdict == Verdict.TOO_SHORT else REFUSED
             return

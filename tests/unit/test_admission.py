@@ -336,3 +336,21 @@ def test_an_open_gate_admits_two_slots_past_the_worst_phase_keeping_room_for_pai
     assert max_position(FREE, 600.0, CAP, LIMITS, 50.0) < 128 < 4 * 64 - room
     assert admission.open_position(FREE, 600.0, CAP, Limits(4096, 100, 15.0)) == 100  # the queue's cap holds
     assert admission.open_position(FREE, 600.0, replace(CAP, join_ms=20.0), LIMITS) == 0  # continuous: the limit
+
+
+def test_the_gate_shuts_where_most_free_admissions_go_past_the_limit() -> None:
+    # A ramp into overload fills the deep positions before the demand's window passes capacity.
+    steady = [90, 90, 90, 90, 90, 45]
+    gate = admission.OpenGate()
+    for i in range(20):  # a few of a burst past the limit: the gate stays open
+        gate.admitted(i * 10.0, deep=i % 10 == 0)
+    gate.update(steady, 0.5, 100.0, 200.0)
+    assert gate.admits_deep(FREE, 200.0)
+    for i in range(30):  # then most of them
+        gate.admitted(400.0 + i * 10.0, deep=i % 10 != 0)
+    gate.update(steady, 0.5, 100.0, 700.0)
+    assert not gate.admits_deep(FREE, 700.0) and gate.admits_deep(PAID, 700.0)
+    for i in range(20):  # a second on, all within the limit again
+        gate.admitted(1700.0 + i * 10.0, deep=False)
+    gate.update(steady, 0.5, 100.0, 2000.0)
+    assert gate.admits_deep(FREE, 2000.0)
