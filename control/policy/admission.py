@@ -387,7 +387,7 @@ def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: floa
 OPEN_MEMORY_MS = 1000.0  # a paid request is admitted deep this long after the gate was last open
 
 
-OPEN_DEEP_SHARE = 0.5  # of the free admissions of the last second or two beyond the limit: the gate shuts
+OPEN_DEEP_SHARE = 0.5  # of the free admissions of the last half second or so beyond the limit: the gate shuts
 
 
 class OpenGate:
@@ -399,7 +399,7 @@ class OpenGate:
     failure left on 2 x 16 at capacity).
 
     Open where the demand is below capacity (`is_open`), and where fewer than
-    `OPEN_DEEP_SHARE` of the free requests admitted in the last one to two seconds went
+    `OPEN_DEEP_SHARE` of the free requests admitted in the last half second to second went
     beyond the limit (`admitted`). Below capacity a few do, in bursts; a ramp into overload
     fills the deep positions within a second or two, before the demand's window passes
     capacity (it opened the gate for the first 3-4 s at 110% on 2 x 16)."""
@@ -434,7 +434,7 @@ class OpenGate:
         return self.open if tier == FREE else now_ms - self.open_ms <= OPEN_MEMORY_MS
 
 
-OPEN_DEEP_PERIOD_MS = 1000.0
+OPEN_DEEP_PERIOD_MS = 500.0
 OPEN_DEEP_MIN = 10  # admissions the share needs before it counts
 
 
