@@ -140,10 +140,11 @@ class Settings(BaseSettings):
     )
     admit_open: bool = Field(
         True,
-        description="while the demand over the last 5 s is below 95% of the static replicas' rate, a request is "
-        "admitted as deep as the best phase of its budget allows (two batch slots beyond the worst phase's), "
-        "with no room kept for paid arrivals; the replicas answer 504 the few that then miss "
-        "(docs/decisions/0039)",
+        description="while a cell's demand over the last 5 s is below its static replicas' rate (no burst, 2 s of "
+        "traffic seen, and fewer than half the free requests of the last half second past the limit), a free "
+        "request is admitted as deep as the best phase of its budget allows (two batch slots beyond the worst "
+        "phase's), still leaving room for paid arrivals, and a paid one up to a second after; the replicas "
+        "answer 504 the few that then miss (docs/decisions/0039)",
     )
     single_listener: bool = Field(
         True,
