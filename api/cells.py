@@ -92,7 +92,7 @@ class Cell:
         self.paid_rate: dict[str, admission.RateMeter] = {}
         self.demand: dict[str, admission.RateMeter] = {}
         # ADMIT_OPEN: each model's gate, worked out from every gateway's requests asked of
-        # this cell per second, read every `OPEN_REFRESH_MS` with the sweep; when last read,
-        # and last tried (time.monotonic()).
+        # this cell per second, read every `OPEN_REFRESH_MS` with the sweep (each gate keeps
+        # when it was worked out); and when a read was last tried (time.monotonic()).
         self.open_gates: dict[str, admission.OpenGate] = {}
-        self.asked_at = self.asked_tried = 0.0
+        self.asked_tried = 0.0

@@ -288,8 +288,8 @@ class Gateway:
                 if verdict != Verdict.ADMIT:
                     self._forget(waiter)
             gate = cell.open_gates.get(job.model)
-            if verdict == Verdict.ADMIT and job.tier == FREE and gate is not None:
-                gate.admitted(time.monotonic() * 1000, position > limit)
+            if verdict == Verdict.ADMIT and job.tier == FREE and gate is not None and position > 0:
+                gate.admitted(time.monotonic() * 1000, position > limit)  # (0: it joined one in line)
         if job.tier == PAID and verdict in (Verdict.ADMIT, Verdict.OVERLOADED):
             # Paid requests count for the free tier's reserve when admitted or refused for
             # want of room (a free key filling the queue must not hide them), not when
@@ -336,10 +336,11 @@ class Gateway:
     def _admits_deep(self, cell: Cell, job: p.Job) -> bool:
         """ADMIT_OPEN's gate, on the cell's demand as every gateway counted it (a process
         sees only its share of the connections, and not an even one); shut where the
-        demand was not read for a second (the broker did not answer)."""
+        model's demand was not read for a second (the broker did not answer, or the model
+        had no replica ready)."""
         gate = cell.open_gates.get(job.model)
-        now = time.monotonic()
-        return gate is not None and now - cell.asked_at <= 1.0 and gate.admits_deep(job.tier, now * 1000)
+        now_ms = time.monotonic() * 1000
+        return gate is not None and now_ms - gate.updated_ms <= 1000.0 and gate.admits_deep(job.tier, now_ms)
 
     def _read_asked(self, cell: Cell) -> None:
         """Every gateway's requests asked of the cell per second, and each model's gate."""
@@ -349,13 +350,11 @@ class Gateway:
             return
         now_ms = self.clock.now_ms()
         counts = traffic.read_asked(cell.prober, models, now_ms, admission.OPEN_WINDOW_S)
-        # What the gateways counted in the last `OPEN_LAG_MS` may not be added yet.
-        into_s = max(0.0, now_ms % 1000 - admission.OPEN_LAG_MS) / 1000
+        into_s = (now_ms % 1000) / 1000
         read_ms = time.monotonic() * 1000
         for model, per_second in counts.items():
             rate = self._capacity(cell, model).requests_per_s
             cell.open_gates.setdefault(model, admission.OpenGate()).update(per_second, into_s, rate, read_ms)
-        cell.asked_at = read_ms / 1000
 
     def _bumps(self, capacity: Capacity) -> bool:
         """ADMIT_BUMP applies: static replicas serve the model (a continuous engine's seats

@@ -347,10 +347,10 @@ class RateMeter:
 OPEN_WINDOW_S = 5  # whole seconds of demand the open gate weighs, before the current one
 OPEN_BELOW = 1.0  # of the replicas' rate, over the window (from the first second with traffic in it)
 OPEN_MIN_S = 2.0  # of traffic seen in the window before the gate may open (a cold start keeps the limit)
+OPEN_BUSY = 0.1  # of the replicas' rate: a second with fewer requests is idle, and the window starts after it
 OPEN_BURST_BELOW = 1.1  # of the replicas' rate, over the current second (from half of it) or the last one and it,
 OPEN_BURST_SIGMAS = 3.0  # or more where that many standard deviations of arrivals at capacity are more
 OPEN_REFRESH_MS = 250.0  # how often a gateway reads the demand and works its gate out again
-OPEN_LAG_MS = 100.0  # gateways add what they were asked to the broker's counters every 100 ms
 
 
 def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: float) -> bool:
@@ -365,18 +365,25 @@ def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: floa
     `OPEN_BELOW` of the replicas' rate, and shuts at once where the current second's (or,
     early in it, the last one's and its) passes `OPEN_BURST_BELOW`, or as many standard
     deviations of arrivals at capacity as `OPEN_BURST_SIGMAS` where that is more (on a small
-    fleet a half second at 110% is noise). The window starts at its first second with
-    traffic, and the gate stays shut for its first `OPEN_MIN_S`: a spike from idle to 110%
-    opened it for four seconds, and what it admitted deep ended 504."""
+    fleet a half second at 110% is noise). The window starts after its first busy second
+    (`OPEN_BUSY`), and the gate stays shut until it holds `OPEN_MIN_S`: a spike from idle
+    to 110% opened it for four seconds, and what it admitted deep ended 504. The current
+    second's count covers about `into_current_s`: gateways file what they counted under the
+    second they add it in, up to 100 ms late, so its start is as late as its end."""
     if capacity_rps <= 0 or len(per_second) < 2:
         return False
     *whole, current = per_second
-    seen = len(whole) - next((i for i, n in enumerate(whole) if n), len(whole))  # whole seconds since traffic began
-    if seen + into_current_s < OPEN_MIN_S:
+    # The window starts after its first busy second (traffic may have begun late in it); a
+    # window busy from its first second is whole.
+    busy = max(1.0, OPEN_BUSY * capacity_rps)
+    first = next((i for i, n in enumerate(whole) if n >= busy), len(whole))
+    if first > 0:
+        whole = whole[first + 1 :]
+    if len(whole) + into_current_s < OPEN_MIN_S:
         return False
-    window_rps = (sum(whole) + current) / (seen + into_current_s)
-    if seen == 0:
-        return window_rps < OPEN_BELOW * capacity_rps
+    window_rps = (sum(whole) + current) / (len(whole) + into_current_s)
+    if window_rps >= OPEN_BELOW * capacity_rps:
+        return False
     span_s = into_current_s if into_current_s >= 0.5 else 1.0 + into_current_s
     burst_rps = (current if into_current_s >= 0.5 else whole[-1] + current) / span_s
     # Poisson arrivals at capacity vary by sqrt(n) in a span that expects n.
@@ -420,12 +427,17 @@ class OpenGate:
         self._admitted[2] += 1
         self._admitted[3] += deep
 
-    def deep_share(self) -> float:
-        num = self._admitted[0] + self._admitted[2]
-        return (self._admitted[1] + self._admitted[3]) / num if num >= OPEN_DEEP_MIN else 0.0
+    def deep_share(self, now_ms: float) -> float:
+        """Of the free admissions of this period and the last (none if the last began two
+        periods ago), the share beyond the limit."""
+        counts, since = self._admitted, self._period_ms  # one list: a roll replaces it whole
+        if now_ms - since >= 2 * OPEN_DEEP_PERIOD_MS:
+            return 0.0
+        num = counts[0] + counts[2]
+        return (counts[1] + counts[3]) / num if num >= OPEN_DEEP_MIN else 0.0
 
     def update(self, per_second: Sequence[int], into_current_s: float, capacity_rps: float, now_ms: float) -> None:
-        self.open = is_open(per_second, into_current_s, capacity_rps) and self.deep_share() < OPEN_DEEP_SHARE
+        self.open = is_open(per_second, into_current_s, capacity_rps) and self.deep_share(now_ms) < OPEN_DEEP_SHARE
         self.updated_ms = now_ms
         if self.open:
             self.open_ms = now_ms
@@ -435,7 +447,7 @@ class OpenGate:
 
 
 OPEN_DEEP_PERIOD_MS = 500.0
-OPEN_DEEP_MIN = 10  # admissions the share needs before it counts
+OPEN_DEEP_MIN = 10  # admissions the share needs before it counts (a gateway process's own)
 
 
 class SecondCounts:

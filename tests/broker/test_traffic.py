@@ -30,3 +30,13 @@ def test_a_gateways_admissions_read_back_as_its_tiers_arrival_rate(state: redis.
     rates = {row.tier: row.arrival_rate for row in traffic.read_traffic(state, [MODEL], window_s=10)}
     assert rates == {"paid": 0.3, "free": 1.0}
     assert 0 < state.ttl(keys.traffic_key(int(last // 1000))) <= traffic.KEEP_S
+
+
+def test_the_requests_asked_read_back_per_second_for_the_open_gate(state: redis.Redis) -> None:
+    now_ms = 1_000_000_500.0  # half a second into its second
+    for back, n in ((3, 40), (1, 60), (0, 25)):  # two gateways add to the same seconds
+        traffic.record_arrivals(state, {traffic.asked_field(MODEL): n // 2}, now_ms - back * 1000)
+        traffic.record_arrivals(state, {traffic.asked_field(MODEL): n - n // 2}, now_ms - back * 1000)
+    traffic.record_arrivals(state, {traffic.asked_field("kb-other"): 9}, now_ms)
+    asked = traffic.read_asked(state, [MODEL, "kb-other"], now_ms, 5)
+    assert asked == {MODEL: [0, 0, 40, 0, 60, 25], "kb-other": [0, 0, 0, 0, 0, 9]}

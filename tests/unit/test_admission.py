@@ -296,11 +296,14 @@ def test_the_open_gate_opens_below_capacity_over_its_traffic_and_shuts_at_a_burs
     assert admission.is_open([90, 90, 90, 90, 90, 65], 0.5, 100.0)  # 130: not told from noise yet
     assert not admission.is_open([900, 900, 900, 900, 900, 650], 0.5, 1000.0)  # 130 on a fleet ten times the size
     assert not admission.is_open([80, 80, 80, 80, 160, 20], 0.2, 100.0)  # early in a second, the last one counts
-    # From idle, the window starts with the traffic, and tells nothing for two seconds.
+    # From idle, the window starts after the first busy second (traffic may have begun late
+    # in it), and tells nothing for two seconds.
     assert not admission.is_open([0, 0, 0, 0, 0, 20], 0.3, 100.0)
     assert not admission.is_open([0, 0, 0, 0, 60, 60], 0.9, 100.0)
-    assert admission.is_open([0, 0, 0, 60, 60, 20], 0.3, 100.0)  # 61 a second over 2.3 s
-    assert not admission.is_open([0, 0, 0, 110, 110, 30], 0.3, 100.0)  # 108 a second: past capacity
+    assert not admission.is_open([0, 0, 0, 60, 60, 20], 0.3, 100.0)  # 1.3 s after the first busy second
+    assert admission.is_open([0, 0, 60, 60, 60, 20], 0.3, 100.0)  # 61 a second over 2.3 s
+    assert not admission.is_open([0, 0, 110, 110, 110, 30], 0.3, 100.0)  # 109 a second: past capacity
+    assert not admission.is_open([1, 0, 0, 0, 0, 50], 0.5, 100.0)  # a stray request starts no window
     assert not admission.is_open([90], 0.5, 100.0)  # no window
     assert not admission.is_open([0, 0, 0, 0, 0, 0], 0.5, 0.0)  # no replica
 

@@ -580,7 +580,7 @@ def test_one_listener_keeps_full_batches_after_a_disturbance_where_busy_replicas
 
 def test_admitted_deeper_below_capacity_fewer_requests_fail_and_no_paid_one() -> None:
     """`admit_open`: while the demand is below the replicas' rate a free request is admitted
-    as deep as the best phase allows (a paid one at any load), and the replicas' deadline
+    as deep as the best phase allows (a paid one too, up to a second after), and the replicas' deadline
     rule answers 504 the few that then miss. On 2 x 16 at 90% far fewer requests fail than
     with the worst phase's limit; past capacity the gate shuts, and nothing changes but
     that no paid request fails."""
