@@ -299,10 +299,16 @@ def max_position(
         if tier == FREE:
             deepest = max(1, deepest - paid_reserve(paid_rate_rps, max(0.0, last_in), PHASED_SPREAD))
         return min(deepest, limits.max_queue(tier))
-    if tier == FREE:
-        before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
-        deepest = max(1, deepest - paid_reserve(paid_rate_rps, before_last))
-    return min(deepest, limits.max_queue(tier))
+    return min(_less_paid_room(tier, deepest, slots, capacity, paid_rate_rps), limits.max_queue(tier))
+
+
+def _less_paid_room(tier: Tier, deepest: int, slots: int, capacity: Capacity, paid_rate_rps: float) -> int:
+    """`deepest` less, for a free request, room for the paid arrivals expected before the
+    last of `slots` starts (at the mean phase: half an interval before it)."""
+    if tier != FREE:
+        return deepest
+    before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
+    return max(1, deepest - paid_reserve(paid_rate_rps, before_last))
 
 
 def _phased_slots(budget_ms: float, capacity: Capacity, limits: Limits, now_ms: float) -> tuple[int, float] | None:
@@ -351,6 +357,11 @@ OPEN_BUSY = 0.1  # of the replicas' rate: a second with fewer requests is idle, 
 OPEN_BURST_BELOW = 1.1  # of the replicas' rate, over the current second (from half of it) or the last one and it,
 OPEN_BURST_SIGMAS = 3.0  # or more where that many standard deviations of arrivals at capacity are more
 OPEN_REFRESH_MS = 250.0  # how often a gateway reads the demand and works its gate out again
+OPEN_DEEP_SHARE = 0.5  # of the free admissions of the last period or two beyond the limit: the gate shuts
+OPEN_DEEP_PERIOD_MS = 500.0
+OPEN_DEEP_MIN = 10  # admissions the share needs before it counts (a gateway process's own)
+OPEN_MEMORY_MS = 1000.0  # a paid request is admitted deep this long after the gate was last open
+OPEN_EXTRA_SLOTS = 2  # beyond the worst phase's: the best phase holds one more, jitter the other
 
 
 def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: float) -> bool:
@@ -388,13 +399,7 @@ def is_open(per_second: Sequence[int], into_current_s: float, capacity_rps: floa
     burst_rps = (current if into_current_s >= 0.5 else whole[-1] + current) / span_s
     # Poisson arrivals at capacity vary by sqrt(n) in a span that expects n.
     burst_below = max(OPEN_BURST_BELOW, 1.0 + OPEN_BURST_SIGMAS / math.sqrt(capacity_rps * span_s))
-    return window_rps < OPEN_BELOW * capacity_rps and burst_rps < burst_below * capacity_rps
-
-
-OPEN_MEMORY_MS = 1000.0  # a paid request is admitted deep this long after the gate was last open
-
-
-OPEN_DEEP_SHARE = 0.5  # of the free admissions of the last half second or so beyond the limit: the gate shuts
+    return burst_rps < burst_below * capacity_rps
 
 
 class OpenGate:
@@ -446,10 +451,6 @@ class OpenGate:
         return self.open if tier == FREE else now_ms - self.open_ms <= OPEN_MEMORY_MS
 
 
-OPEN_DEEP_PERIOD_MS = 500.0
-OPEN_DEEP_MIN = 10  # admissions the share needs before it counts (a gateway process's own)
-
-
 class SecondCounts:
     """Requests counted per whole second of the clock, as the broker's traffic counters keep
     them (control/broker/traffic.py): the simulator's view for `is_open`."""
@@ -460,17 +461,16 @@ class SecondCounts:
 
     def add(self, now_ms: float) -> None:
         second = int(now_ms // 1000)
-        self._counts[second] = self._counts.get(second, 0) + 1
-        for old in [k for k in self._counts if k < second - self.keep_s]:
-            del self._counts[old]
+        if second not in self._counts:  # a new second: the ones out of the window go (once)
+            for old in [k for k in self._counts if k < second - self.keep_s]:
+                del self._counts[old]
+            self._counts[second] = 0
+        self._counts[second] += 1
 
     def window(self, now_ms: float) -> tuple[list[int], float]:
         """(`is_open`'s counts, how far into the current second)."""
         second = int(now_ms // 1000)
         return [self._counts.get(k, 0) for k in range(second - self.keep_s, second + 1)], (now_ms % 1000) / 1000
-
-
-OPEN_EXTRA_SLOTS = 2  # beyond the worst phase's: the best phase holds one more, jitter the other
 
 
 def open_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limits, paid_rate_rps: float = 0.0) -> int:
@@ -481,11 +481,9 @@ def open_position(tier: Tier, budget_ms: float, capacity: Capacity, limits: Limi
     if capacity.join_ms > 0:
         return 0
     slots = max_slots(budget_ms, capacity, limits) + OPEN_EXTRA_SLOTS
-    deepest = slots * capacity.max_batch
-    if tier == FREE:
-        before_last = slot_start_ms(slots, capacity) - capacity.interval_ms / 2
-        deepest = max(1, deepest - paid_reserve(paid_rate_rps, before_last))
-    return min(deepest, limits.max_queue(tier))
+    return min(
+        _less_paid_room(tier, slots * capacity.max_batch, slots, capacity, paid_rate_rps), limits.max_queue(tier)
+    )
 
 
 def retry_after_s(position: int, budget_ms: float, capacity: Capacity, limits: Limits) -> int:
