@@ -118,7 +118,15 @@ def short_of_a_batch(records: list[Record], injections: list[Injection], budget_
     return short
 
 
-def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str, float] | None) -> dict[str, object]:
+def analyze(
+    spec: ChaosSpec,
+    records: list[Record],
+    run: Run,
+    counters: dict[str, float] | None,
+    peer_records: list[Record] | None = None,
+) -> dict[str, object]:
+    """`peer_records`: the peer region's own clients (`--peer-load`), judged lost and
+    crossed as strictly as the rest, and summed apart."""
     injections = run.injections
     wasted = counters["wasted_results"] if counters is not None else None
     first = injections[0].at_s if injections else spec.duration_s
@@ -135,7 +143,10 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
     crossed = sum(1 for r in records if r.status == 200 and r.id and r.answer_id != r.id)
     # Wasted results (a copy run for a request answered already, or for a client that was
     # answered 503 or hung up) cost model time but reach no client: reported, not failed.
-    failed = _verdict(len(lost), crossed)
+    peer = peer_records or []
+    peer_lost = [r for r in peer if r.status == 0 and not r.hung_up]
+    peer_crossed = sum(1 for r in peer if r.status == 200 and r.id and r.answer_id != r.id)
+    failed = _verdict(len(lost) + len(peer_lost), crossed + peer_crossed)
     probes = run.idle["paid_new_connection"] if run.idle else None
     if isinstance(probes, dict) and probes["over_budget"]:
         failed.append(f"{probes['over_budget']} paid requests on new connections not answered 200 within budget")
@@ -159,6 +170,7 @@ def analyze(spec: ChaosSpec, records: list[Record], run: Run, counters: dict[str
         # Those of them with at least one batch of their budget left at the fault.
         "affected_with_budget": _group([r for i, r in enumerate(records) if i in hit and i not in short]),
         "rest": _group([r for i, r in enumerate(records) if i not in hit]),
+        "peer": {**_group(peer), "lost": len(peer_lost), "duplicated": peer_crossed} if peer_records else None,
         "status_503": {
             "count": len(s503),
             "p99_ms": percentile(s503, 99) if s503 else None,

@@ -59,6 +59,16 @@ def print_report(report: dict) -> None:
             f"{title}: sent, statuses, p99", f"{group['sent']}; {counts(group['statuses'])}; {ms(group['p99_ms'])}", ""
         )
         table.add_row("  paid: statuses, p99", f"{counts(group['paid_statuses'])}; {ms(group['paid_p99_ms'])}", "")
+    peer = report.get("peer")
+    if peer:
+        rate = f"{report['spec']['peer_load']:.0%} of {report['capacity_rps']:.0f}"
+        table.add_row(
+            f"peer region's own clients ({rate}): sent, statuses, p99",
+            f"{peer['sent']}; {counts(peer['statuses'])}; {ms(peer['p99_ms'])}; lost {peer['lost']}, "
+            f"duplicated {peer['duplicated']}",
+            "",
+        )
+        table.add_row("  paid: statuses, p99", f"{counts(peer['paid_statuses'])}; {ms(peer['paid_p99_ms'])}", "")
     for cell, row in (report.get("cells") or {}).items():
         lost = " (its broker lost)" if row["lost_cell"] else ""
         table.add_row(

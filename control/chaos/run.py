@@ -36,6 +36,11 @@ from control.load.spec import LoadSpec, Record
 
 log = logging.getLogger(__name__)
 
+# --keep-logs lists a 200 as late this long past the clients' budget (their clock and
+# the gateway's see the same deadline a few milliseconds apart).
+LATE_SLACK_MS = 50.0
+PEER_SEED = 1000  # the peer's clients draw their arrivals from the run's seed plus this
+
 
 def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
     spec = ChaosSpec.from_args(args)
@@ -54,7 +59,7 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
     try:
         _start(deployments, spec.replicas)
         before = [read_counters(d.url) for d in deployments]
-        records, run = _drive(spec, deployments, capacity, settings)
+        records, peer_records, run = _drive(spec, deployments, capacity, settings)
         after = [read_counters(d.url) for d in deployments]
     except DeploymentError as exc:
         print(f"keybatch chaos: {exc}", file=sys.stderr)
@@ -67,15 +72,16 @@ def run_chaos(settings: Settings, args: argparse.Namespace) -> int:
         "spec": asdict(spec),
         "capacity_rps": capacity,
         "rps": spec.load * capacity,
-        **analyze(spec, records, run, counters_delta(before, after)),
+        **analyze(spec, records, run, counters_delta(before, after), peer_records),
         "deployments": stops,
         "pids": sorted(pid for d in deployments for pid in d.seen),
         "logs": [d.log_path for d in deployments],
     }
     if args.keep_logs:  # what a reader of the logs looks for: each error, by request id
-        for r in records:
-            if r.status not in (200, 429) and not r.hung_up:
-                sent = f"sent {r.sent_s:.3f} s, {r.latency_ms:.0f} ms"
+        late_ms = (spec.deadline_ms or settings.deadline_ms) + LATE_SLACK_MS
+        for r in [*records, *(peer_records or [])]:
+            if (r.status not in (200, 429) or r.latency_ms > late_ms) and not r.hung_up:
+                sent = f"sent {r.sent_s:.3f} s, {r.latency_ms:.0f} ms (gateway {r.server_ms:.0f})"
                 print(f"{r.status} {r.code} {r.tier} {sent}: {r.id} {r.error}", file=sys.stderr)
     return finish(report, args.json, args.keep_logs)
 
@@ -105,8 +111,11 @@ def _start(deployments: list[Deployment], replicas: int) -> None:
 
 def _drive(
     spec: ChaosSpec, deployments: list[Deployment], capacity: float, settings: Settings
-) -> tuple[list[Record], Run]:
+) -> tuple[list[Record], list[Record] | None, Run]:
+    """The records of the clients of the deployment under fault, those of the peer
+    region's own clients (None without a peer load), and the run's injections."""
     deadline_ms = spec.deadline_ms or settings.deadline_ms
+    run_id = secrets.token_hex(4)
     load = LoadSpec(
         deployments[0].url,
         spec.load * capacity,
@@ -117,7 +126,7 @@ def _drive(
         FREE_KEY,
         seed=spec.seed,
         deadline_ms=spec.deadline_ms,
-        id_prefix=f"chaos-{secrets.token_hex(4)}",
+        id_prefix=f"chaos-{run_id}",
         timeout_s=deadline_ms / 1000 + CLIENT_SLACK_S,
         start_at=time.perf_counter() + 0.1,
         hangup_share=HANGUP_SHARE if spec.scenario == "client-hangup" else 0.0,
@@ -125,15 +134,29 @@ def _drive(
         hangup_ms=HANGUP_MS,
         retries=spec.client_retries,
     )
+    peer_load = None
+    if spec.peer_load and len(deployments) > 1:  # the peer's own clients, with their own arrivals
+        peer_load = replace(
+            load,
+            url=deployments[1].url,
+            rps=spec.peer_load * capacity,
+            seed=spec.seed + PEER_SEED,
+            id_prefix=f"chaos-peer-{run_id}",
+            hangup_share=0.0,
+        )
     if spec.scenario == "overload-spike":
         load.spike_rps = spec.spike * capacity
         load.spike_from_s, load.spike_to_s = spec.fault_at_s, spec.fault_at_s + spec.spike_s
     assert load.start_at is not None
     run = Run(spec, deployments, load.start_at, settings.batch_ms, random.Random(spec.seed))
 
-    async def both() -> list[Record]:
-        records, _ = await asyncio.gather(run_spec(load, show_progress=sys.stdout.isatty()), inject(run))
-        return records
+    async def both() -> tuple[list[Record], list[Record] | None]:
+        peer = run_spec(peer_load, show_progress=False) if peer_load else asyncio.sleep(0, None)
+        records, peer_records, _ = await asyncio.gather(
+            run_spec(load, show_progress=sys.stdout.isatty()), peer, inject(run)
+        )
+        return records, peer_records
 
     with collector_paused():
-        return uvloop.run(both()), run
+        records, peer_records = uvloop.run(both())
+    return records, peer_records, run

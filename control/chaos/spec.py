@@ -41,6 +41,11 @@ class ChaosSpec:
     cells: int = 1
     pause: bool = False  # cell-loss: SIGSTOP the broker for PAUSE_S instead of SIGKILL
     replicas_per_host: int = 0  # simulated hosts of this many replicas (`up --replicas-per-host`)
+    peer_load: float | None = None  # a peer region B driven at this share of its capacity; None: no peer
+
+    @property
+    def has_peer(self) -> bool:
+        return self.scenario == "region-loss" or self.peer_load is not None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChaosSpec:
@@ -69,6 +74,7 @@ class ChaosSpec:
             args.cells or (3 if args.scenario == "cell-loss" else 1),
             args.pause,
             per_host,
+            args.peer_load,
         )
 
     def problem(self) -> str | None:
@@ -82,6 +88,8 @@ class ChaosSpec:
             return "host-loss needs --replicas-per-host below --replicas (one host is lost, another serves)"
         if self.replicas_per_host < 0:
             return "--replicas-per-host must be at least 0"
+        if self.peer_load is not None and not 0 <= self.peer_load <= 10:
+            return "--peer-load must be in [0, 10]"
         if self.pause and self.scenario != "cell-loss":
             return "--pause is a variant of cell-loss only"
         if self.replicas < self.cells:
@@ -98,20 +106,23 @@ class ChaosSpec:
 
 
 def deployments_for(spec: ChaosSpec) -> list[Deployment]:
-    """The deployments, the one under load first."""
-    if spec.scenario != "region-loss":
-        env = child_env(PAID_KEY, FREE_KEY)
-        return [
-            Deployment(
-                "main",
-                spec.replicas,
-                env,
-                backend=spec.backend,
-                policy=spec.policy,
-                cells=spec.cells,
-                replicas_per_host=spec.replicas_per_host,
-            )
-        ]
-    b = Deployment("b", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="b"))
-    a = Deployment("a", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="a", peers=json.dumps([b.url])))
-    return [a, b]
+    """The deployments, the one the faults hit first; with a peer, region A lists region B
+    in its PEERS (B, as many replicas, in no simulated hosts and one cell)."""
+    if not spec.has_peer:
+        return [_deployment(spec, "main", child_env(PAID_KEY, FREE_KEY))]
+    b = Deployment(
+        "b", spec.replicas, child_env(PAID_KEY, FREE_KEY, region="b"), backend=spec.backend, policy=spec.policy
+    )
+    return [_deployment(spec, "a", child_env(PAID_KEY, FREE_KEY, region="a", peers=json.dumps([b.url]))), b]
+
+
+def _deployment(spec: ChaosSpec, name: str, env: dict[str, str]) -> Deployment:
+    return Deployment(
+        name,
+        spec.replicas,
+        env,
+        backend=spec.backend,
+        policy=spec.policy,
+        cells=spec.cells,
+        replicas_per_host=spec.replicas_per_host,
+    )

@@ -190,6 +190,13 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
         "--replicas-per-host", type=int, default=None, help="`up --replicas-per-host` (default 0; host-loss: 2)"
     )
     p.add_argument("--load", type=float, default=0.7, help="share of capacity (replicas x batch per batch time)")
+    p.add_argument(
+        "--peer-load",
+        type=float,
+        default=None,
+        help="start a peer region B (as many replicas, A lists it in PEERS) and drive its own clients at this "
+        "share of its capacity (0: idle); region-loss always has one (default there: 0)",
+    )
     p.add_argument("--paid-share", type=float, default=0.3)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     p.add_argument("--fault-at", type=float, default=8.0, help="seconds into the load")
