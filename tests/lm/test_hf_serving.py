@@ -61,8 +61,10 @@ def test_each_request_gets_one_answer(hf: Deployment) -> None:
 
 def test_streamed_chunks_add_up_to_the_text_at_temperature_zero(hf: Deployment) -> None:
     client = openai.OpenAI(base_url=f"{hf.url}/v1", api_key=FREE_KEY, max_retries=0)
-    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_headers=BUDGET)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True, extra_headers=BUDGET
+    )
     chunks = [c.choices[0].text for c in stream]
     assert len([c for c in chunks if c]) > 1  # text came as it was written, not in one piece
     assert "".join(chunks) == whole.choices[0].text

@@ -46,7 +46,12 @@ MAX_WAIT_S = 3.0
 
 @pytest.fixture(scope="module")
 def kb_chord() -> Iterator[Deployment]:
-    env = {"max_batch": str(MAX_BATCH), "max_wait_ms": str(MAX_WAIT_S * 1000), "deadline_ms": "5000"}
+    env = {
+        "max_batch": str(MAX_BATCH),
+        "max_wait_ms": str(MAX_WAIT_S * 1000),
+        "deadline_ms": "5000",
+        "deadline_margin_ms": "100",
+    }
     with deployment(workers=1, collector="chord", **env) as d:
         yield d
 
