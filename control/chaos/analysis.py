@@ -137,15 +137,11 @@ def analyze(
         injection.recover_s = recovery_s(records, injection.ended_s or injection.at_s, end, baseline)
     hit = _affected(records, injections, ends)
     short = short_of_a_batch(records, injections, spec.deadline_ms or DEFAULT_BUDGET_MS, run.batch_ms)
-    lost = [r for r in records if r.status == 0 and not r.hung_up]
-    # An answer carrying another request's id: a reply routed to the wrong client, or a
-    # second answer to an earlier request read off a reused connection.
-    crossed = sum(1 for r in records if r.status == 200 and r.id and r.answer_id != r.id)
+    lost, crossed = _lost_and_crossed(records)
     # Wasted results (a copy run for a request answered already, or for a client that was
     # answered 503 or hung up) cost model time but reach no client: reported, not failed.
     peer = peer_records or []
-    peer_lost = [r for r in peer if r.status == 0 and not r.hung_up]
-    peer_crossed = sum(1 for r in peer if r.status == 200 and r.id and r.answer_id != r.id)
+    peer_lost, peer_crossed = _lost_and_crossed(peer)
     failed = _verdict(len(lost) + len(peer_lost), crossed + peer_crossed)
     probes = run.idle["paid_new_connection"] if run.idle else None
     if isinstance(probes, dict) and probes["over_budget"]:
@@ -205,6 +201,14 @@ def _cells(records: list[Record], injections: list[Injection]) -> dict[str, dict
             "answered_200_during": len(during),
         }
     return out
+
+
+def _lost_and_crossed(records: list[Record]) -> tuple[list[Record], int]:
+    """The requests no HTTP answer reached (not hung up on purpose), and how many 200s
+    carried another request's id: a reply routed to the wrong client, or a second answer
+    to an earlier request read off a reused connection."""
+    lost = [r for r in records if r.status == 0 and not r.hung_up]
+    return lost, sum(1 for r in records if r.status == 200 and r.id and r.answer_id != r.id)
 
 
 def _median(values: list[float]) -> float | None:
